@@ -1,0 +1,1 @@
+"""The ISR parcel format: chunks, keyrings, sealed blobs, key envelopes, manifests and stores."""
