@@ -1,0 +1,82 @@
+"""zstd compression for chunk objects and sealed blobs, and the only module that imports `zstandard`.
+
+Decompression is where untrusted lengths meet memory, so `decompress` is told the exact output length
+and never produces more: a frame that would expand past it, stop short of it, or carry bytes after its
+end is refused before any output is returned.
+"""
+from __future__ import annotations
+
+import zstandard
+
+from parcels.errors import FormatError
+
+DEFAULT_LEVEL = 3
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# A zstd block header is 3 bytes and an RLE block adds 1 byte but can stand for up to 128 KiB, so feeding
+# this many input bytes at a time caps how far past the limit one step can go at 16 blocks (2 MiB).
+_FEED_SIZE = 64
+
+Bytes = bytes | bytearray | memoryview
+
+
+def compress(data: Bytes, level: int = DEFAULT_LEVEL, *, content_size: bool = True, checksum: bool = False) -> bytes:
+    """Compress `data` into one zstd frame, with no dictionary.
+
+    Writers use the defaults: the content size in the frame header and no checksum (the format
+    authenticates every byte with AES-GCM already). The test-vector generator turns them off and on to
+    make valid frames other writers might produce. Raises FormatError for a level zstd does not know.
+    """
+    try:
+        compressor = zstandard.ZstdCompressor(level=level, write_content_size=content_size,
+                                              write_checksum=checksum)
+        return compressor.compress(data)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"zstd refused to compress: {exc}") from None
+
+
+def decompress(frame: Bytes, length: int) -> bytes:
+    """Decompress exactly one zstd frame that must produce exactly `length` bytes.
+
+    Guarantees: the result is `length` bytes long; at most about `length` + 2 MiB is ever held in memory;
+    a skippable frame, a second frame, trailing bytes, a truncated frame or a header content size other
+    than `length` is refused. Raises FormatError for all of these.
+    """
+    frame = bytes(frame)
+    if length < 0:
+        raise FormatError("negative decompressed length")
+    if frame[:4] != ZSTD_MAGIC:
+        raise FormatError("compressed data is not a zstd frame")
+    try:
+        content_size = zstandard.get_frame_parameters(frame).content_size
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"bad zstd frame header: {exc}") from None
+    if content_size != zstandard.CONTENTSIZE_UNKNOWN and content_size != length:
+        raise FormatError(f"zstd frame holds {content_size} bytes, expected {length}")
+    try:
+        if content_size == length and length > 0:
+            # The one-shot call decodes into a buffer of exactly `length` bytes and refuses trailing
+            # input when the header states the size (it does not when the size is unknown, hence the
+            # streaming path below).
+            out = zstandard.ZstdDecompressor().decompress(frame, allow_extra_data=False)
+        else:
+            out = _decompress_streaming(frame, length)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"bad zstd frame: {exc}") from None
+    if len(out) != length:
+        raise FormatError(f"zstd frame decompressed to {len(out)} bytes, expected {length}")
+    return out
+
+
+def _decompress_streaming(frame: bytes, length: int) -> bytes:
+    """Feed the frame a few bytes at a time so a small frame cannot expand into a huge allocation."""
+    decoder = zstandard.ZstdDecompressor().decompressobj()
+    out = bytearray()
+    for pos in range(0, len(frame), _FEED_SIZE):
+        out += decoder.decompress(frame[pos:pos + _FEED_SIZE])
+        if len(out) > length:
+            raise FormatError(f"zstd frame decompresses to more than {length} bytes")
+        if decoder.eof:
+            if decoder.unused_data or pos + _FEED_SIZE < len(frame):
+                raise FormatError("trailing data after the zstd frame")
+            return bytes(out)
+    raise FormatError("zstd frame is truncated")
