@@ -1,0 +1,57 @@
+"""Exceptions raised by the isrctl package.
+
+Every error that isrctl raises on purpose derives from `IsrError`, so a caller (and the `isr` command's
+``main()``) can catch the whole package with one ``except``. Modules add their own subclasses here rather
+than defining private roots, so the hierarchy stays visible in one place.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class IsrError(Exception):
+    """Root of every exception isrctl raises on purpose."""
+
+
+class VMError(IsrError):
+    """Something went wrong with a QEMU virtual machine (launching it, talking to it, stopping it)."""
+
+
+class VMLaunchError(VMError):
+    """QEMU did not start, or exited before its monitor answered.
+
+    Carries what is needed to reproduce the failure by hand: the exit code (None if QEMU was still
+    running and had to be killed), the full command line and the tail of QEMU's own output.
+    """
+
+    def __init__(self, message: str, *, exitcode: int | None, args: Sequence[str], output: str) -> None:
+        self.exitcode = exitcode
+        self.command = list(args)
+        self.output = output
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        from shlex import join
+
+        text = f"{self.args[0]} (exit code {self.exitcode})\ncommand: {join(self.command)}"
+        if self.output.strip():
+            text += "\nQEMU output (tail):\n" + self.output.rstrip()
+        return text
+
+
+class QMPCommandError(VMError):
+    """QEMU answered a QMP command with an error."""
+
+    def __init__(self, command: str, error_class: str, description: str) -> None:
+        self.command = command
+        self.error_class = error_class
+        self.description = description
+        super().__init__(f"QMP command {command} failed: {error_class}: {description}")
+
+
+class VMTimeoutError(VMError):
+    """A VM did not reach a wanted state (monitor up, migration done, exited) within its time limit."""
+
+
+class MigrationError(VMError):
+    """Saving or loading a VM's state (a QEMU migration stream) failed."""

@@ -1,0 +1,668 @@
+"""Run one QEMU virtual machine and drive it over QMP: launch, stop, save and load its state, shut it down.
+
+This is the only module in isrctl that speaks QMP (through the ``qemu.qmp`` package). Callers get a plain
+synchronous API: the asynchronous QMP client runs on a private event loop in a background thread, so a
+`VM` can be used from ordinary code, from tests, and from code that has its own asyncio loop.
+
+Life of a VM::
+
+    with VM(VMConfig(disk=Path("disk.img"), kernel=..., initrd=..., cmdline="console=ttyS0")) as vm:
+        vm.launch()                      # QEMU runs; vm.serial is the guest's serial console
+        ...
+        vm.save_state(Path("state.zst")) # stop + migrate to a zstd-compressed file
+    # leaving the block quits QEMU (then SIGTERM, then SIGKILL) and always reaps it
+
+    with VM(same_config) as vm:
+        vm.launch_incoming()             # same command line plus -incoming defer
+        vm.load_state(Path("state.zst")) # the guest continues where it stopped
+
+QEMU is always started with ``-S`` (CPUs stopped) so that the monitor and the serial console are both
+connected before the guest executes its first instruction: nothing the guest prints can be lost.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self, TypeVar
+
+from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
+
+from .errors import MigrationError, QMPCommandError, VMError, VMLaunchError, VMTimeoutError
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+#: Disk cache modes QEMU accepts for ``-drive cache=``.
+CACHE_MODES = ("none", "writeback", "writethrough", "directsync", "unsafe")
+#: Asynchronous I/O back ends QEMU accepts for ``-drive aio=``.
+AIO_MODES = ("threads", "native", "io_uring")
+#: Accelerators this module knows how to ask for.
+ACCELERATORS = ("tcg", "kvm")
+
+# Migration bandwidth while saving: QEMU's default limit (128 MiB/s) applies even to a stopped guest, which
+# would make saving a 4 GiB guest take half a minute for no reason. 64 GiB/s is effectively unlimited.
+_SAVE_BANDWIDTH = 64 << 30
+_POLL_INTERVAL = 0.05
+_OUTPUT_TAIL = 4000
+
+
+@dataclass(frozen=True)
+class VMConfig:
+    """Everything that determines a VM's QEMU command line.
+
+    A saved state can only be loaded into a VM with the same configuration, which is why the machine type
+    must be a versioned one (``pc-q35-7.2``, never the ``q35`` alias) and the CPU a named model (never
+    ``host``): both pin the virtual hardware so that the state stays loadable on another PC.
+    """
+
+    disk: Path | None = None
+    disk_format: str = "raw"
+    disk_cache: str = "writeback"
+    disk_aio: str = "threads"
+    disk_readonly: bool = False
+    kernel: Path | None = None
+    initrd: Path | None = None
+    cmdline: str | None = None
+    machine: str = "pc-q35-7.2"
+    cpu: str = "qemu64"
+    memory_mib: int = 256
+    smp: int = 1
+    accel: str = "tcg"
+    #: Keep guest RAM in this file (``memory-backend-file``, ``share=on``) instead of anonymous memory; a
+    #: saved state then leaves RAM out of the stream (migration capability ``x-ignore-shared``).
+    memory_file: Path | None = None
+    #: A ``-vnc`` display argument (e.g. ``unix:/run/isr/vnc.sock`` or ``127.0.0.1:5``); adds a VGA card.
+    vnc: str | None = None
+    extra_args: tuple[str, ...] = ()
+    qemu_binary: str = "qemu-system-x86_64"
+
+    def __post_init__(self) -> None:
+        if self.disk_cache not in CACHE_MODES:
+            raise VMError(f"disk cache mode {self.disk_cache!r} is not one of {', '.join(CACHE_MODES)}")
+        if self.disk_aio not in AIO_MODES:
+            raise VMError(f"disk aio mode {self.disk_aio!r} is not one of {', '.join(AIO_MODES)}")
+        if self.disk_aio == "native" and self.disk_cache not in ("none", "directsync"):
+            raise VMError("disk aio=native needs O_DIRECT: use disk cache mode 'none' or 'directsync'")
+        if self.accel not in ACCELERATORS:
+            raise VMError(f"accelerator {self.accel!r} is not one of {', '.join(ACCELERATORS)}")
+        if not re.fullmatch(r"[a-z0-9-]+-\d+\.\d+", self.machine):
+            raise VMError(f"machine type {self.machine!r} is not versioned: use e.g. 'pc-q35-7.2'")
+        if self.cpu in ("host", "max"):
+            raise VMError(f"CPU model {self.cpu!r} depends on this PC: use a named model such as 'qemu64'")
+        if self.memory_mib < 16 or self.smp < 1:
+            raise VMError(f"implausible VM size: {self.memory_mib} MiB RAM, {self.smp} CPUs")
+        if (self.initrd or self.cmdline) and not self.kernel:
+            raise VMError("an initrd or kernel command line needs a kernel")
+
+    def command_line(self, *, qmp_socket: Path, serial_socket: Path, incoming: bool = False) -> list[str]:
+        """The full QEMU command line for this configuration, with the given control sockets."""
+        machine = self.machine
+        args = [self.qemu_binary, "-nodefaults", "-no-user-config", "-S", "-display", "none"]
+        if self.memory_file is not None:
+            backend = (f"memory-backend-file,id=ram0,size={self.memory_mib}M,"
+                       f"mem-path={_qemu_opt(str(self.memory_file))},share=on")
+            args += ["-object", backend]
+            machine += ",memory-backend=ram0"
+        args += ["-machine", machine, "-accel", self.accel, "-cpu", self.cpu,
+                 "-m", str(self.memory_mib), "-smp", str(self.smp)]
+        if self.kernel is not None:
+            args += ["-kernel", str(self.kernel)]
+        if self.initrd is not None:
+            args += ["-initrd", str(self.initrd)]
+        if self.cmdline is not None:
+            args += ["-append", self.cmdline]
+        if self.disk is not None:
+            drive = (f"file={_qemu_opt(str(self.disk))},format={self.disk_format},if=none,id=disk0,"
+                     f"cache={self.disk_cache},aio={self.disk_aio}")
+            if self.disk_readonly:
+                drive += ",readonly=on"
+            args += ["-drive", drive, "-device", "virtio-blk-pci,drive=disk0"]
+        args += ["-chardev", f"socket,id=qmp0,path={_qemu_opt(str(qmp_socket))},server=on,wait=off",
+                 "-mon", "chardev=qmp0,mode=control",
+                 "-chardev", f"socket,id=serial0,path={_qemu_opt(str(serial_socket))},server=on,wait=off",
+                 "-serial", "chardev:serial0"]
+        if self.vnc is not None:
+            args += ["-device", "VGA", "-vnc", self.vnc]
+        if incoming:
+            args += ["-incoming", "defer"]
+        return args + list(self.extra_args)
+
+
+def _qemu_opt(value: str) -> str:
+    """Escape a value for a QEMU ``key=value,...`` option string (a comma is written as two)."""
+    return value.replace(",", ",,")
+
+
+@dataclass(frozen=True)
+class MigrationStats:
+    """What saving or loading a VM's state cost."""
+
+    seconds: float
+    #: Bytes QEMU put into (or read from) the migration stream, before compression.
+    stream_bytes: int
+    #: Size of the state file after compression, when the state went to a file.
+    file_bytes: int | None = None
+    #: QEMU's own view of the migration (the last ``query-migrate`` answer).
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class _QMPConnection:
+    """A synchronous face on ``qemu.qmp.QMPClient``: the client lives on a private loop in its own thread."""
+
+    def __init__(self, name: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"qmp-{name}", daemon=True)
+        self._thread.start()
+        self._client: QMPClient = self._call(self._make_client(name), timeout=10)
+
+    @staticmethod
+    async def _make_client(name: str) -> QMPClient:
+        # Built inside the loop so that any asyncio objects it creates belong to that loop.
+        return QMPClient(name)
+
+    def _call(self, coro: Coroutine[Any, Any, _T], timeout: float | None) -> _T:
+        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self._loop)
+        try:
+            return future.result()
+        except TimeoutError as exc:  # also asyncio's (an alias since Python 3.11)
+            raise VMTimeoutError(f"QMP did not answer within {timeout} s") from exc
+
+    def connect(self, path: Path, timeout: float) -> None:
+        self._call(self._client.connect(str(path)), timeout)
+
+    def execute(self, command: str, arguments: dict[str, Any] | None = None, timeout: float = 30.0) -> Any:
+        try:
+            return self._call(self._client.execute(command, arguments), timeout)
+        except ExecuteError as exc:
+            raise QMPCommandError(command, exc.error_class, str(exc)) from exc
+        except (QMPError, EOFError, OSError) as exc:
+            raise VMError(f"QMP command {command} failed: {exc!r}") from exc
+
+    def close(self) -> None:
+        try:
+            self._call(self._client.disconnect(), timeout=5)
+        except (QMPError, EOFError, OSError, VMError):
+            # After 'quit' QEMU hangs up first; disconnect() then reports the EOF. Nothing to do about it.
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+class VM:
+    """One QEMU process: a context manager that always leaves no QEMU behind.
+
+    ``run_dir`` receives QEMU's output log (``<name>.log``); the control sockets live in a private short
+    directory of their own because Unix socket paths are limited to 107 bytes.
+    """
+
+    def __init__(self, config: VMConfig, *, run_dir: Path | None = None, name: str = "vm") -> None:
+        self.config = config
+        self.name = name
+        self._run_dir = run_dir
+        self._sock_dir: Path | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._qmp: _QMPConnection | None = None
+        self._serial: socket.socket | None = None
+        self._log_path: Path | None = None
+        self._log_start = 0
+        self._args: list[str] = []
+        self._incoming = False
+        #: QEMU's exit code once it has been reaped (negative: killed by that signal).
+        self.exitcode: int | None = None
+
+    # --- context manager ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # --- properties --------------------------------------------------------------------------------
+
+    @property
+    def args(self) -> list[str]:
+        """The command line of the current (or last) QEMU process."""
+        return list(self._args)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def log_path(self) -> Path | None:
+        """QEMU's own stdout and stderr."""
+        return self._log_path
+
+    @property
+    def serial(self) -> socket.socket:
+        """The connected serial console (ttyS0) socket; the caller reads and writes it."""
+        if self._serial is None:
+            raise VMError(f"VM {self.name} is not running")
+        return self._serial
+
+    def is_running(self) -> bool:
+        """Whether the QEMU process exists and has not exited."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def output(self) -> str:
+        """The tail of QEMU's own output (not the guest's console) since the last launch."""
+        if self._log_path is None or not self._log_path.exists():
+            return ""
+        with open(self._log_path, "rb") as f:
+            f.seek(max(self._log_start, f.seek(0, os.SEEK_END) - _OUTPUT_TAIL))
+            return f.read().decode(errors="replace")
+
+    # --- starting ----------------------------------------------------------------------------------
+
+    def launch(self, *, paused: bool = False, timeout: float = 30.0) -> None:
+        """Start QEMU, connect its monitor and serial console, and (unless ``paused``) start the guest."""
+        self._start(incoming=False, timeout=timeout)
+        if not paused:
+            self.cont()
+
+    def launch_incoming(self, *, timeout: float = 30.0) -> None:
+        """Start QEMU waiting for a saved state (``-incoming defer``); continue with `load_state`."""
+        self._start(incoming=True, timeout=timeout)
+
+    def _start(self, *, incoming: bool, timeout: float) -> None:
+        if self._proc is not None:
+            raise VMError(f"VM {self.name} is already running")
+        self._sock_dir = Path(tempfile.mkdtemp(prefix="isr-vm-"))
+        if self._run_dir is None:
+            log_dir = self._sock_dir
+        else:
+            log_dir = self._run_dir
+            log_dir.mkdir(parents=True, exist_ok=True)
+        self._log_path = log_dir / f"{self.name}.log"
+        qmp_path = self._sock_dir / "qmp.sock"
+        serial_path = self._sock_dir / "serial.sock"
+        self._args = self.config.command_line(qmp_socket=qmp_path, serial_socket=serial_path, incoming=incoming)
+        self._incoming = incoming
+        self.exitcode = None
+        log.info("launching %s: %s", self.name, shlex.join(self._args))
+        try:
+            # Appended, so that relaunching under the same name keeps the earlier run's output too.
+            with open(self._log_path, "ab") as out:
+                self._log_start = out.tell()
+                self._proc = subprocess.Popen(self._args, stdin=subprocess.DEVNULL, stdout=out,
+                                              stderr=subprocess.STDOUT)
+        except OSError as exc:
+            self._cleanup()
+            raise VMLaunchError(f"cannot run {self._args[0]}: {exc.strerror}", exitcode=None,
+                                args=self._args, output="") from exc
+        try:
+            self._connect_qmp(qmp_path, timeout)
+            self._serial = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._serial.connect(str(serial_path))
+        except BaseException as exc:
+            # Kill first so the error can report the exit code and the complete output.
+            self._kill_and_reap()
+            error = VMLaunchError(f"QEMU ({self.name}) failed to start", exitcode=self.exitcode,
+                                  args=self._args, output=self.output())
+            self._cleanup()
+            if isinstance(exc, VMError | OSError):
+                raise error from exc
+            raise
+
+    def _connect_qmp(self, path: Path, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self._qmp = _QMPConnection(self.name)
+        while True:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise VMError("QEMU exited during start-up")
+            if path.exists():
+                try:
+                    self._qmp.connect(path, timeout=max(0.1, deadline - time.monotonic()))
+                    return
+                except (ConnectError, VMTimeoutError) as exc:
+                    log.debug("QMP connect to %s: %s", path, exc)
+            if time.monotonic() > deadline:
+                raise VMTimeoutError(f"QEMU's monitor did not come up within {timeout} s")
+            time.sleep(_POLL_INTERVAL)
+
+    # --- QMP commands ------------------------------------------------------------------------------
+
+    def qmp(self, command: str, arguments: dict[str, Any] | None = None, *, timeout: float = 30.0) -> Any:
+        """Execute one QMP command and return its result; raises `QMPCommandError` on an error answer."""
+        if self._qmp is None or not self.is_running():
+            raise VMError(f"VM {self.name} is not running; cannot execute {command}")
+        return self._qmp.execute(command, arguments, timeout)
+
+    def query_status(self) -> str:
+        """The run state: ``running``, ``paused``, ``inmigrate``, ``postmigrate``, ``shutdown``, ..."""
+        return str(self.qmp("query-status")["status"])
+
+    def stop(self) -> None:
+        """Pause the guest's CPUs."""
+        self.qmp("stop")
+
+    def cont(self) -> None:
+        """Resume the guest's CPUs."""
+        self.qmp("cont")
+
+    # --- saving and loading the state --------------------------------------------------------------
+
+    def save_state(self, target: os.PathLike[str] | str, *, compress: bool = True,
+                   timeout: float = 600.0, sync: bool = True) -> MigrationStats:
+        """Stop the guest and write its whole state (RAM, devices) to ``target``.
+
+        ``target`` is a file path, written through ``zstd`` (or plain when ``compress`` is false), or a
+        string starting with ``exec:``, a complete QEMU migration URI whose command receives the stream on
+        stdin. The guest stays stopped (run state ``postmigrate``) with its disk flushed; the caller then
+        quits it with `shutdown`. With ``sync`` the state file and the RAM file (if any) are fsynced,
+        because QEMU makes neither durable.
+        """
+        path: Path | None = None
+        if isinstance(target, str) and target.startswith("exec:"):
+            uri = target
+        else:
+            path = Path(target)
+            writer = "zstd -T0 -3 -q" if compress else "cat"
+            uri = f"exec:{writer} > {shlex.quote(str(path))}"
+        if self.query_status() == "running":
+            self.stop()
+        self.qmp("migrate-set-parameters", {"max-bandwidth": _SAVE_BANDWIDTH})
+        self._set_ignore_shared()
+        started = time.monotonic()
+        self.qmp("migrate", {"uri": uri})
+        info = self._wait_migration(timeout, "saving the state")
+        seconds = time.monotonic() - started
+        file_bytes = None
+        if path is not None:
+            if sync:
+                _fsync_path(path)
+            file_bytes = path.stat().st_size
+        if sync and self.config.memory_file is not None:
+            _fsync_path(self.config.memory_file)
+        stats = MigrationStats(seconds=seconds, stream_bytes=_stream_bytes(info), file_bytes=file_bytes,
+                               info=info)
+        log.info("saved %s: %d stream bytes, %s file bytes, %.2f s", self.name, stats.stream_bytes,
+                 file_bytes, seconds)
+        return stats
+
+    def load_state(self, source: os.PathLike[str] | str, *, compress: bool = True,
+                   timeout: float = 600.0, start: bool = True) -> MigrationStats:
+        """Load a state written by `save_state` into a VM started with `launch_incoming`, then continue it.
+
+        ``source`` is a file path (read through ``zstd -dc`` unless ``compress`` is false) or an ``exec:``
+        URI whose command writes the stream to stdout. With ``start`` false the guest stays paused.
+        """
+        if not self._incoming:
+            raise VMError(f"VM {self.name} was not launched with launch_incoming()")
+        if isinstance(source, str) and source.startswith("exec:"):
+            uri = source
+        else:
+            reader = "zstd -dc" if compress else "cat"
+            uri = f"exec:{reader} {shlex.quote(str(Path(source)))}"
+        self._set_ignore_shared()
+        started = time.monotonic()
+        self.qmp("migrate-incoming", {"uri": uri})
+        deadline = started + timeout
+        while True:
+            status = self._poll_status("loading the state")
+            if status == "paused":
+                break
+            if status not in ("inmigrate", "prelaunch"):
+                raise MigrationError(f"loading the state left VM {self.name} in run state {status!r}")
+            info = self.qmp("query-migrate")
+            if info.get("status") in ("failed", "cancelled"):
+                raise MigrationError(f"loading the state failed: {info.get('error-desc', info)}")
+            if time.monotonic() > deadline:
+                raise VMTimeoutError(f"loading the state took longer than {timeout} s")
+            time.sleep(_POLL_INTERVAL)
+        seconds = time.monotonic() - started
+        info = self.qmp("query-migrate")
+        if start:
+            self.cont()
+        self._incoming = False
+        return MigrationStats(seconds=seconds, stream_bytes=_stream_bytes(info), info=info)
+
+    def _set_ignore_shared(self) -> None:
+        # RAM in a shared file is already where the other side will look for it: leave it out of the
+        # stream. Both the saving and the loading QEMU must agree on the capability.
+        if self.config.memory_file is not None:
+            self.qmp("migrate-set-capabilities",
+                     {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
+
+    def _poll_status(self, doing: str) -> str:
+        assert self._proc is not None
+        if self._proc.poll() is not None:
+            self._reap()
+            raise MigrationError(f"QEMU ({self.name}) exited with code {self.exitcode} while {doing}:\n"
+                                 f"{self.output().rstrip()}")
+        return self.query_status()
+
+    def _wait_migration(self, timeout: float, doing: str) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._poll_status(doing)
+            info = self.qmp("query-migrate")
+            status = info.get("status")
+            if status == "completed":
+                return dict(info)
+            if status in ("failed", "cancelled"):
+                raise MigrationError(f"{doing} failed: {info.get('error-desc', status)}")
+            if time.monotonic() > deadline:
+                with contextlib.suppress(VMError):
+                    self.qmp("migrate_cancel")
+                raise VMTimeoutError(f"{doing} took longer than {timeout} s (status {status})")
+            time.sleep(_POLL_INTERVAL)
+
+    # --- stopping ----------------------------------------------------------------------------------
+
+    def wait(self, timeout: float) -> int:
+        """Wait for QEMU to exit by itself (e.g. the guest powered off) and return its exit code."""
+        if self._proc is None:
+            raise VMError(f"VM {self.name} was never launched")
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise VMTimeoutError(f"QEMU ({self.name}) did not exit within {timeout} s") from exc
+        self._reap()
+        self._cleanup()
+        assert self.exitcode is not None
+        return self.exitcode
+
+    def shutdown(self, timeout: float = 30.0) -> int | None:
+        """Make QEMU exit: ``quit`` over QMP, then SIGTERM, then SIGKILL; always reap and clean up.
+
+        Returns the exit code (None if QEMU was never launched). Safe to call more than once.
+        """
+        if self._proc is None:
+            return self.exitcode
+        try:
+            if self._proc.poll() is None:
+                self._graceful_quit(timeout)
+        finally:
+            self._kill_and_reap()
+            self._cleanup()
+        return self.exitcode
+
+    def _graceful_quit(self, timeout: float) -> None:
+        assert self._proc is not None
+        if self._qmp is not None:
+            try:
+                self._qmp.execute("quit", timeout=min(timeout, 10.0))
+            except VMError as exc:
+                # QEMU may hang up before answering 'quit'; the wait below decides whether it worked.
+                log.debug("quit %s: %s", self.name, exc)
+        try:
+            self._proc.wait(timeout)
+            return
+        except subprocess.TimeoutExpired:
+            log.warning("QEMU (%s) ignored 'quit' for %s s; sending SIGTERM", self.name, timeout)
+        self._proc.terminate()
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            log.warning("QEMU (%s) ignored SIGTERM; killing it", self.name)
+
+    def kill(self) -> None:
+        """Kill QEMU at once (SIGKILL), reap it and clean up: the guest's state is lost."""
+        if self._proc is None:
+            return
+        try:
+            self._kill_and_reap()
+        finally:
+            self._cleanup()
+
+    def _kill_and_reap(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            try:
+                self._proc.send_signal(signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._proc.wait()
+        self._reap()
+
+    def _reap(self) -> None:
+        assert self._proc is not None
+        self.exitcode = self._proc.poll()
+        if self.exitcode not in (None, 0):
+            log.info("QEMU (%s) exited with code %s", self.name, self.exitcode)
+
+    def _cleanup(self) -> None:
+        if self._qmp is not None:
+            self._qmp.close()
+            self._qmp = None
+        if self._serial is not None:
+            self._serial.close()
+            self._serial = None
+        if self._sock_dir is not None:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
+            self._sock_dir = None
+        # Only ever reached once the process has been reaped: the VM object may be launched again.
+        self._proc = None
+
+
+def _stream_bytes(info: dict[str, Any]) -> int:
+    ram = info.get("ram", {})
+    return int(ram.get("transferred", 0))
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- is KVM usable here? ---------------------------------------------------------------------------------
+
+_kvm_answers: dict[str, bool] = {}
+
+
+def kvm_works(kernel: Path, initrd: Path | None, *, marker: bytes, cmdline: str = "console=ttyS0",
+              disk: Path | None = None, timeout: float = 30.0, cache_dir: Path | None = None) -> bool:
+    """Whether a guest really boots under KVM here, found by booting it and caching the answer.
+
+    ``/dev/kvm`` existing is not enough: some hosts offer a paravirtual KVM on which stock guest kernels
+    crawl and then die with emulation failures. So the probe boots ``kernel`` (and ``initrd``, with an
+    optional read-only ``disk``) with ``-accel kvm`` and says yes only if ``marker`` appears on the serial
+    console within ``timeout`` seconds. The answer is remembered per host kernel, QEMU binary and guest
+    kernel, in memory and in ``cache_dir`` (default ``${XDG_CACHE_HOME:-~/.cache}/isr``).
+    """
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False
+    qemu = shutil.which("qemu-system-x86_64") or "qemu-system-x86_64"
+    key_parts = [platform.release(), qemu, str(_mtime_size(Path(qemu))), str(_mtime_size(kernel)),
+                 str(kernel), str(initrd), cmdline, marker.decode(errors="replace")]
+    key = hashlib.sha256("\0".join(key_parts).encode()).hexdigest()[:32]
+    if key in _kvm_answers:
+        return _kvm_answers[key]
+    cache_file = (cache_dir or default_cache_dir()) / "kvm-probe.json"
+    try:
+        answers = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        answers = {}
+    remembered = answers.get(key)
+    if isinstance(remembered, bool):
+        _kvm_answers[key] = remembered
+        return remembered
+    answer = _probe_kvm(kernel, initrd, marker=marker, cmdline=cmdline, disk=disk, timeout=timeout)
+    log.info("KVM probe: guest %s under KVM", "boots" if answer else "does not boot")
+    _kvm_answers[key] = answer
+    answers[key] = answer
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(answers, indent=1) + "\n")
+        os.replace(tmp, cache_file)
+    except OSError as exc:
+        log.warning("cannot remember the KVM probe result in %s: %s", cache_file, exc)
+    return answer
+
+
+def default_cache_dir() -> Path:
+    """``${XDG_CACHE_HOME:-~/.cache}/isr``: where ISR keeps what it can rebuild."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "isr"
+
+
+def _mtime_size(path: Path) -> tuple[int, int]:
+    try:
+        st = path.stat()
+    except OSError:
+        return (0, 0)
+    return (st.st_mtime_ns, st.st_size)
+
+
+def _probe_kvm(kernel: Path, initrd: Path | None, *, marker: bytes, cmdline: str, disk: Path | None,
+               timeout: float) -> bool:
+    config = VMConfig(disk=disk, disk_readonly=disk is not None, kernel=kernel, initrd=initrd,
+                      cmdline=cmdline, accel="kvm")
+    seen = b""
+    with VM(config, name="kvm-probe") as vm:
+        try:
+            vm.launch(timeout=min(timeout, 30.0))
+        except VMError as exc:
+            log.info("KVM probe: QEMU did not start with KVM: %s", exc)
+            return False
+        deadline = time.monotonic() + timeout
+        vm.serial.settimeout(_POLL_INTERVAL * 4)
+        while time.monotonic() < deadline and vm.is_running():
+            try:
+                data = vm.serial.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if exc.errno == errno.EINTR:
+                    continue
+                break
+            if not data:
+                break
+            seen = (seen + data)[-(len(marker) + 65536):]
+            if marker in seen:
+                return True
+        vm.kill()
+    return False
+
+
+__all__ = ["VM", "VMConfig", "MigrationStats", "kvm_works", "default_cache_dir", "CACHE_MODES", "AIO_MODES",
+           "ACCELERATORS"]

@@ -1,0 +1,49 @@
+"""Fixtures and helpers for tests that boot the real test guest (parcels.guest) under QEMU.
+
+Import the fixtures into a test module with::
+
+    from tests.guest_fixtures import guest_artifacts, guest_disk  # noqa: F401  (pytest fixtures)
+
+and boot any disk image (a copy of the built one, or an image extracted from a parcel) with
+`parcels.guest.booted_guest(guest_artifacts, disk, run_dir=tmp_path)`. Logs (QEMU output, console
+transcript) land in the test's ``tmp_path``.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from parcels.guest import GuestArtifacts, GuestBuildError, build, copy_disk
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="session")
+def guest_artifacts() -> GuestArtifacts:
+    """The built (cached) small test guest: kernel, initramfs, pristine disk, expected workload result."""
+    try:
+        return build("small")
+    except GuestBuildError as exc:
+        pytest.fail(f"cannot build the test guest: {exc}")
+
+
+@pytest.fixture
+def guest_disk(guest_artifacts: GuestArtifacts, tmp_path: Path) -> Path:
+    """A private, writable copy of the guest's pristine data disk."""
+    return copy_disk(guest_artifacts.disk, tmp_path / "disk.img")
+
+
+def wait_until(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2) -> T:
+    """Poll ``probe`` until it returns something truthy (returned), failing the test after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)

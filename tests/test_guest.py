@@ -1,0 +1,143 @@
+"""The test guest and the QEMU driver, for real: TCG QEMU booting the Debian cloud kernel.
+
+Covers: the workload's result against the value computed on the host, the RAM counter, disk persistence
+across a guest reboot and a power-off (with e2fsck clean afterwards), and suspend/resume both with RAM in
+the migration stream (zstd file) and with RAM in a shared memory-backend file (x-ignore-shared).
+"""
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from isrctl.errors import IsrError, VMError, VMLaunchError
+from isrctl.qemu import VM, VMConfig
+from parcels.guest import GuestArtifacts, GuestConsole, booted_guest, check_ext4, guest_config, resumed_guest
+from tests.guest_fixtures import guest_artifacts, guest_disk, wait_until  # noqa: F401  (pytest fixtures)
+
+pytestmark = pytest.mark.timeout(180)
+
+BOOT_LIMIT = 60.0
+
+
+def _counter_passes(console: GuestConsole, value: int) -> Callable[[], int | None]:
+    """A probe for wait_until: the guest's RAM counter, once it is above ``value`` (>= 0)."""
+    def probe() -> int | None:
+        now = console.counter()
+        return now if now > value else None
+    return probe
+
+
+def _assert_clean(disk: Path) -> None:
+    status, output = check_ext4(disk)
+    assert status == 0, f"e2fsck -fn {disk} found problems (exit {status}):\n{output}"
+
+
+def test_workload_result_and_counter(guest_artifacts: GuestArtifacts, guest_disk: Path, tmp_path: Path) -> None:
+    with booted_guest(guest_artifacts, guest_disk, run_dir=tmp_path, ready_timeout=BOOT_LIMIT) as guest:
+        console = guest.console
+        first = console.counter()
+        wait_until(_counter_passes(console, first), 10, "the RAM counter to advance")
+
+        result = console.run_workload(timeout=120)
+        expected = guest_artifacts.expected
+        assert int(result["files"]) == expected.files
+        assert int(result["matches"]) == expected.matches
+        assert result["digest"] == expected.digest
+        assert int(result["deleted"]) == expected.deleted
+
+        # Repeatable: a second run in the same guest reports the same digest.
+        assert console.run_workload(timeout=120)["digest"] == expected.digest
+
+        # The agent reports exit status and output (stdout and stderr) exactly.
+        assert console.run("printf 'a\\nb'; echo oops >&2; exit 7") == (7, "a\nboops\n")
+
+
+def test_files_persist_across_reboot_and_poweroff(guest_artifacts: GuestArtifacts, guest_disk: Path,
+                                                  tmp_path: Path) -> None:
+    text = secrets.token_hex(8)
+    with booted_guest(guest_artifacts, guest_disk, run_dir=tmp_path, name="first") as guest:
+        guest.console.check(f"echo {text} >/data/persist-1 && sync")
+        guest.console.request_reboot()
+        guest.console.wait_ready(BOOT_LIMIT)
+        assert guest.console.check("cat /data/persist-1").strip() == text
+        guest.console.check(f"echo {text}-2 >/data/persist-2")
+        guest.console.request_poweroff()
+        assert guest.vm.wait(60) == 0
+    _assert_clean(guest_disk)
+
+    with booted_guest(guest_artifacts, guest_disk, run_dir=tmp_path, name="second") as guest:
+        assert guest.console.check("cat /data/persist-1 /data/persist-2").split() == [text, f"{text}-2"]
+        guest.console.request_poweroff()
+        assert guest.vm.wait(60) == 0
+    _assert_clean(guest_disk)
+
+
+@pytest.mark.parametrize("ram_in_file", [False, True], ids=["ram-in-stream", "ram-in-shared-file"])
+def test_suspend_resume(guest_artifacts: GuestArtifacts, guest_disk: Path, tmp_path: Path,
+                        ram_in_file: bool) -> None:
+    overrides: dict[str, Any] = {"memory_file": tmp_path / "ram.img"} if ram_in_file else {}
+    state = tmp_path / "state.zst"
+
+    with booted_guest(guest_artifacts, guest_disk, run_dir=tmp_path, name="before", **overrides) as guest:
+        console = guest.console
+        token = console.set_token()
+        console.check("echo written-before-suspend >/data/before && sync")
+        wait_until(_counter_passes(console, 1), 10, "the RAM counter to reach 2")
+        before = console.counter()
+        saved = guest.vm.save_state(state)
+        assert guest.vm.query_status() == "postmigrate"
+        assert guest.vm.shutdown() == 0
+    assert saved.file_bytes is not None and state.stat().st_size == saved.file_bytes
+    if ram_in_file:
+        # RAM stayed in the file: the stream holds only device state (~100 KB, well under a MiB).
+        assert (tmp_path / "ram.img").stat().st_size == 256 << 20
+        assert saved.file_bytes < 1 << 20, saved
+    else:
+        assert 0 < saved.file_bytes < 64 << 20, saved
+
+    with resumed_guest(guest_artifacts, guest_disk, state, run_dir=tmp_path, name="after", **overrides) as resumed:
+        console = resumed.console
+        after = console.counter()
+        assert after >= before, f"counter went back from {before} to {after}: the guest restarted"
+        assert console.token() == token, "the RAM-only token did not survive"
+        wait_until(_counter_passes(console, after), 10, "the counter to keep counting after resume")
+        assert console.check("cat /data/before").strip() == "written-before-suspend"
+        console.check("echo written-after-resume >/data/after")
+        # A resumed guest never boots: no kernel banner, no second ready marker on its console.
+        assert not re.search(r"ISR-GUEST-READY|Linux version", console.transcript())
+        console.request_poweroff()
+        assert resumed.vm.wait(60) == 0
+    _assert_clean(guest_disk)
+
+
+def test_failed_launch_reports_exit_code_command_and_output(tmp_path: Path) -> None:
+    config = VMConfig(kernel=tmp_path / "no-such-kernel")
+    with VM(config, run_dir=tmp_path) as vm:
+        with pytest.raises(VMLaunchError) as failure:
+            vm.launch(timeout=20)
+    error = failure.value
+    assert isinstance(error, IsrError)
+    assert error.exitcode == 1
+    assert str(tmp_path / "no-such-kernel") in error.command
+    assert "no-such-kernel" in error.output
+    assert not vm.is_running()
+
+
+@pytest.mark.parametrize("fields", [{"machine": "q35"}, {"cpu": "host"}, {"disk_cache": "fast"},
+                                    {"disk_aio": "native", "disk_cache": "writeback"}, {"accel": "hvf"}])
+def test_config_rejects_unportable_or_invalid_settings(fields: dict[str, str]) -> None:
+    with pytest.raises(VMError):
+        VMConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_guest_config_pins_the_virtual_hardware(guest_artifacts: GuestArtifacts, guest_disk: Path) -> None:
+    args = guest_config(guest_artifacts, guest_disk).command_line(qmp_socket=Path("/q"), serial_socket=Path("/s"))
+    joined = " ".join(args)
+    for expected in ("-machine pc-q35-7.2", "-cpu qemu64", "-m 256", "-smp 1", "-accel tcg", "-nodefaults",
+                     "virtio-blk-pci", "console=ttyS0"):
+        assert expected in joined
