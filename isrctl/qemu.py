@@ -197,6 +197,20 @@ class _QMPConnection:
         except (QMPError, EOFError, OSError) as exc:
             raise VMError(f"QMP command {command} failed: {exc!r}") from exc
 
+    def send_fd(self, fd: int, name: str, timeout: float = 10.0) -> None:
+        """Hand ``fd`` to QEMU (SCM_RIGHTS) and register it as ``name`` for ``fd:`` URIs (QMP ``getfd``)."""
+        async def send() -> None:
+            # On the loop's thread: the client's socket belongs to it, and getfd must be the very next
+            # command after the descriptor, so nothing may interleave.
+            self._client.send_fd_scm(fd)
+            await self._client.execute("getfd", {"fdname": name})
+        try:
+            self._call(send(), timeout)
+        except ExecuteError as exc:
+            raise QMPCommandError("getfd", exc.error_class, str(exc)) from exc
+        except (QMPError, EOFError, OSError) as exc:
+            raise VMError(f"passing a file descriptor to QEMU failed: {exc!r}") from exc
+
     def close(self) -> None:
         try:
             self._call(self._client.disconnect(), timeout=5)
@@ -417,6 +431,10 @@ class VM:
         else:
             reader = "zstd -dc" if compress else "cat"
             uri = f"exec:{reader} {shlex.quote(str(Path(source)))}"
+        return self._finish_incoming(uri, timeout, start)
+
+    def _finish_incoming(self, uri: str, timeout: float, start: bool) -> MigrationStats:
+        """Start the incoming migration from ``uri``, wait until the state is loaded, and continue."""
         self._set_ignore_shared()
         started = time.monotonic()
         self.qmp("migrate-incoming", {"uri": uri})
@@ -439,6 +457,89 @@ class VM:
             self.cont()
         self._incoming = False
         return MigrationStats(seconds=seconds, stream_bytes=_stream_bytes(info), info=info)
+
+    def save_state_bytes(self, *, timeout: float = 600.0) -> tuple[bytes, MigrationStats]:
+        """Stop the guest and return its whole state (devices, and RAM unless RAM is in a shared file).
+
+        The stream goes through a pipe handed to QEMU, straight into this process's memory: unlike
+        `save_state` to a file, no plaintext VM state ever touches a disk. The caller seals it. With RAM
+        in a shared file (``memory_file``) the stream is small (device state only, ~0.1-1 MB); that file
+        is fsynced here, since QEMU does not make it durable.
+        """
+        if self.query_status() == "running":
+            self.stop()
+        self.qmp("migrate-set-parameters", {"max-bandwidth": _SAVE_BANDWIDTH})
+        self._set_ignore_shared()
+        read_end, write_end = os.pipe()
+        chunks: list[bytes] = []
+        failure: list[BaseException] = []
+
+        def drain() -> None:
+            try:
+                while block := os.read(read_end, 1 << 20):
+                    chunks.append(block)
+            except OSError as exc:  # pragma: no cover - a pipe read fails only if the fd is broken
+                failure.append(exc)
+
+        reader = threading.Thread(target=drain, name=f"save-{self.name}", daemon=True)
+        reader.start()
+        try:
+            assert self._qmp is not None
+            self._qmp.send_fd(write_end, "isr-save")
+            # QEMU holds its own copy now; ours must go, or the reader would never see end of file.
+            os.close(write_end)
+            write_end = -1
+            started = time.monotonic()
+            self.qmp("migrate", {"uri": "fd:isr-save"})
+            info = self._wait_migration(timeout, "saving the state")
+            seconds = time.monotonic() - started
+            reader.join(timeout)
+            if reader.is_alive():
+                raise VMTimeoutError("QEMU finished the migration but kept the state pipe open")
+        finally:
+            if write_end >= 0:
+                os.close(write_end)
+            if not reader.is_alive():
+                os.close(read_end)
+        if failure:
+            raise MigrationError(f"reading the state stream failed: {failure[0]}")
+        if self.config.memory_file is not None:
+            _fsync_path(self.config.memory_file)
+        data = b"".join(chunks)
+        return data, MigrationStats(seconds=seconds, stream_bytes=_stream_bytes(info), file_bytes=None, info=info)
+
+    def load_state_bytes(self, data: bytes, *, timeout: float = 600.0, start: bool = True) -> MigrationStats:
+        """Load a state returned by `save_state_bytes` into a VM started with `launch_incoming`.
+
+        The stream goes to QEMU through a pipe, never through a file. With ``start`` false the guest stays
+        paused.
+        """
+        if not self._incoming:
+            raise VMError(f"VM {self.name} was not launched with launch_incoming()")
+        read_end, write_end = os.pipe()
+        failure: list[BaseException] = []
+
+        def feed() -> None:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(write_end, view):]
+            except OSError as exc:  # EPIPE if QEMU gave up on the stream; the migration status says why
+                failure.append(exc)
+            finally:
+                os.close(write_end)
+
+        writer = threading.Thread(target=feed, name=f"load-{self.name}", daemon=True)
+        try:
+            assert self._qmp is not None
+            self._qmp.send_fd(read_end, "isr-load")
+        finally:
+            os.close(read_end)
+        writer.start()
+        # A feeding failure (EPIPE) means QEMU abandoned the stream; the migration status reports why.
+        stats = self._finish_incoming("fd:isr-load", timeout, start)
+        writer.join(timeout)
+        return stats
 
     def _set_ignore_shared(self) -> None:
         # RAM in a shared file is already where the other side will look for it: leave it out of the

@@ -141,3 +141,39 @@ def test_guest_config_pins_the_virtual_hardware(guest_artifacts: GuestArtifacts,
     for expected in ("-machine pc-q35-7.2", "-cpu qemu64", "-m 256", "-smp 1", "-accel tcg", "-nodefaults",
                      "virtio-blk-pci", "console=ttyS0"):
         assert expected in joined
+
+
+def test_suspend_resume_through_memory_leaves_no_state_file(guest_artifacts: GuestArtifacts, guest_disk: Path,
+                                                            tmp_path: Path) -> None:
+    """The device state can go QEMU -> pipe -> this process -> pipe -> QEMU, so that isrctl can seal it
+    before it is stored anywhere: no plaintext VM state on a disk. RAM lives in a shared file here, as in
+    ISR's design, so the stream is device state only."""
+    ram = tmp_path / "ram.img"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with booted_guest(guest_artifacts, guest_disk, run_dir=run_dir, name="before", memory_file=ram) as guest:
+        token = guest.console.set_token()
+        wait_until(_counter_passes(guest.console, 1), 10, "the RAM counter to reach 2")
+        before = guest.console.counter()
+        state, saved = guest.vm.save_state_bytes()
+        assert guest.vm.query_status() == "postmigrate"
+        assert guest.vm.shutdown() == 0
+    assert 0 < len(state) < 1 << 20, saved
+    assert saved.stream_bytes > 0
+    # Nothing but QEMU's and the console's logs was written next to the VM.
+    assert sorted(p.suffix for p in run_dir.iterdir()) == [".log", ".log"], list(run_dir.iterdir())
+
+    with resumed_guest(guest_artifacts, guest_disk, state, run_dir=run_dir, name="after",
+                       memory_file=ram) as resumed:
+        after = resumed.console.counter()
+        assert after >= before, f"counter went back from {before} to {after}: the guest restarted"
+        assert resumed.console.token() == token
+        wait_until(_counter_passes(resumed.console, after), 10, "the counter to keep counting after resume")
+        resumed.console.request_poweroff()
+        assert resumed.vm.wait(60) == 0
+
+    # A truncated stream is refused by QEMU, and reported, rather than resuming a damaged guest.
+    with pytest.raises(VMError):
+        with resumed_guest(guest_artifacts, guest_disk, state[: len(state) // 2], run_dir=run_dir,
+                           name="truncated", memory_file=ram):
+            pass

@@ -88,9 +88,11 @@ class ResumedGuest:
 
 
 @contextlib.contextmanager
-def resumed_guest(artifacts: GuestArtifacts, disk: Path, state: Path | str, *, run_dir: Path | None = None,
+def resumed_guest(artifacts: GuestArtifacts, disk: Path, state: Path | str | bytes, *, run_dir: Path | None = None,
                   name: str = "resumed", compress: bool = True, **overrides: Any) -> Iterator[ResumedGuest]:
-    """Start QEMU with ``-incoming defer``, load ``state`` (see `VM.load_state`) and let the guest continue.
+    """Start QEMU with ``-incoming defer``, load ``state`` and let the guest continue.
+
+    ``state`` is a file or ``exec:`` URI for `VM.load_state`, or the bytes `VM.save_state_bytes` returned.
 
     ``disk`` and ``overrides`` must describe the same VM as the one that saved the state (same disk
     contents, same ``memory_file`` if RAM lived in a file). QEMU is shut down on exit, as in `booted_guest`.
@@ -101,7 +103,10 @@ def resumed_guest(artifacts: GuestArtifacts, disk: Path, state: Path | str, *, r
         vm.launch_incoming()
         console = GuestConsole(vm.serial, log_path=run_dir / f"{name}.console.log" if run_dir else None,
                                name=name)
-        stats = vm.load_state(state, compress=compress)
+        if isinstance(state, bytes):
+            stats = vm.load_state_bytes(state)
+        else:
+            stats = vm.load_state(state, compress=compress)
         log.info("%s resumed: state loaded in %.2f s", name, stats.seconds)
         yield ResumedGuest(vm=vm, console=console, load=stats)
     finally:
