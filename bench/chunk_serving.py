@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""Chunk GET throughput of isr-server's serving paths next to nginx serving the same files, in one run.
+
+    .venv/bin/python bench/chunk_serving.py [--chunks 2000] [--requests 30000] [--connections 4]
+                                            [--streams 32] [--trials 3] [--s3]
+
+Makes `--chunks` random 128 KiB chunk objects in a directory store, then for each serving path starts a
+server on a free loopback port, and drives it with h2load (nghttp2-client) over TLS and HTTP/2 with
+`--connections` x `--streams` concurrent streams, every request for a different chunk in turn:
+
+- ``sendfile``: isr-server, directory store, chunk files handed to granian (ASGI pathsend): zero-copy.
+- ``stream``: isr-server, directory store, chunk bytes read and sent through Python.
+- ``s3-stream`` (with --s3): isr-server, chunks in versitygw (S3), proxied through Python.
+- ``nginx``: nginx-light serving the same files with the same certificate (the reference).
+
+Each path is measured `--trials` times; the table shows the median and the ratio to nginx. All traffic
+stays on 127.0.0.1 and every run is bounded by its request count.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+CHUNK_SIZE = 131072
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"chunk_serving: {what} did not start")
+            time.sleep(0.05)
+
+
+def make_chunks(root: Path, count: int) -> list[str]:
+    tags = []
+    for _ in range(count):
+        data = os.urandom(CHUNK_SIZE)
+        tag = hashlib.sha256(data).hexdigest()
+        path = root / "chunks" / tag[:2] / tag[2:4] / tag
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        tags.append(tag)
+    return tags
+
+
+def h2load(base: str, uris: Path, requests: int, connections: int, streams: int, token: str | None) -> dict:
+    cmd = ["h2load", "-n", str(requests), "-c", str(connections), "-m", str(streams), "-t", "1",
+           "-B", base, "-i", str(uris)]
+    if token:
+        cmd += ["-H", f"authorization: Bearer {token}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
+    finished = re.search(r"finished in ([\d.]+)m?s, ([\d.]+) req/s, ([\d.]+)([KMG]?B)/s", out)
+    codes = re.search(r"status codes: (\d+) 2xx, (\d+) 3xx, (\d+) 4xx, (\d+) 5xx", out)
+    if not finished or not codes:
+        raise SystemExit(f"chunk_serving: cannot parse h2load output:\n{out}")
+    if int(codes.group(1)) != requests:
+        raise SystemExit(f"chunk_serving: not every request succeeded:\n{out}")
+    scale = {"B": 1e-6, "KB": 1e-3, "MB": 1.0, "GB": 1e3}[finished.group(4)]
+    protocol = re.search(r"Application protocol: (\S+)", out)
+    return {"req_s": float(finished.group(2)), "mb_s": float(finished.group(3)) * scale,
+            "protocol": protocol.group(1) if protocol else "?"}
+
+
+class IsrServer:
+    """isr-server on a free port with one serving mode; a user 'bench' and its token."""
+
+    def __init__(self, work: Path, store: dict, serving: str, workers: int) -> None:
+        self.dir = work / f"isr-{serving}-{store['store.backend']}"
+        self.dir.mkdir()
+        settings = {"server.listen": "127.0.0.1:0", "server.workers": workers, "server.data_dir": str(self.dir),
+                    "server.chunk_serving": serving, "server.token_cache_seconds": 5, **store}
+        config = self.dir / "isr-server.toml"
+        sections: dict[str, list[str]] = {}
+        for key, value in settings.items():
+            section, _, name = key.partition(".")
+            sections.setdefault(section, []).append(f"{name} = {json.dumps(value)}")
+        config.write_text("".join(f"[{s}]\n" + "\n".join(v) + "\n" for s, v in sections.items()))
+        subprocess.run([str(BIN / "isr-admin"), "-c", str(config), "user", "add", "bench", "--password-file", "-"],
+                       input="bench-password\n", text=True, check=True, capture_output=True, timeout=60)
+        self.proc = subprocess.Popen([str(BIN / "isr-server"), "-c", str(config)], stdout=subprocess.PIPE,
+                                     stderr=open(self.dir / "server.log", "w"), text=True, start_new_session=True)
+        url = ""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if "listening on" in line:
+                url = line.split("listening on ", 1)[1].strip()
+            if "certificate fingerprint" in line:
+                self.fingerprint = line.split("fingerprint ", 1)[1].strip()
+                break
+        if not url:
+            raise SystemExit(f"chunk_serving: isr-server did not start:\n{(self.dir / 'server.log').read_text()}")
+        self.url = url
+        self.port = int(url.rsplit(":", 1)[1])
+        wait_port(self.port, self.proc, "isr-server")
+        sys.path.insert(0, str(REPO))
+        from isrctl.remote import Remote
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with Remote(url, fingerprint=self.fingerprint) as client:
+                    self.token = client.login("bench", "bench-password")
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        self.cert = self.dir / "tls" / "server.crt"
+        self.key = self.dir / "tls" / "server.key"
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, 15)
+        self.proc.wait(timeout=20)
+
+
+class Nginx:
+    """nginx serving ROOT/chunks/ab/cd/<tag> as /v1/chunks/<tag> over TLS + HTTP/2."""
+
+    def __init__(self, work: Path, root: Path, cert: Path, key: Path, workers: int) -> None:
+        self.dir = work / "nginx"
+        (self.dir / "logs").mkdir(parents=True)
+        self.port = free_port()
+        conf = self.dir / "nginx.conf"
+        conf.write_text(f"""
+user root;
+worker_processes {workers};
+daemon off;
+pid {self.dir}/nginx.pid;
+error_log {self.dir}/logs/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    default_type application/octet-stream;
+    sendfile on;
+    tcp_nopush on;
+    keepalive_requests 1000000;
+    http2_max_requests 1000000;
+    server {{
+        listen 127.0.0.1:{self.port} ssl http2;
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
+        ssl_protocols TLSv1.2 TLSv1.3;
+        location ~ "^/v1/chunks/([0-9a-f]{{2}})([0-9a-f]{{2}})([0-9a-f]{{60}})$" {{
+            alias {root}/chunks/$1/$2/$1$2$3;
+        }}
+    }}
+}}
+""")
+        self.proc = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(self.dir)], stdout=subprocess.DEVNULL,
+                                     stderr=open(self.dir / "nginx.stderr", "w"), start_new_session=True)
+        wait_port(self.port, self.proc, "nginx")
+        self.url = f"https://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, 15)
+        self.proc.wait(timeout=20)
+
+
+def start_versitygw(work: Path) -> tuple[subprocess.Popen, dict]:
+    binary = shutil.which("versitygw") or "/usr/local/bin/versitygw"
+    data = work / "s3"
+    data.mkdir()
+    port = free_port()
+    proc = subprocess.Popen([binary, "--access", "benchaccess", "--secret", "benchsecret0123", "--port",
+                             f"127.0.0.1:{port}", "--quiet", "posix", str(data)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    wait_port(port, proc, "versitygw")
+    settings = {"store.backend": "s3", "store.endpoint": f"http://127.0.0.1:{port}", "store.bucket": "bench",
+                "store.access_key": "benchaccess", "store.secret_key": "benchsecret0123"}
+    return proc, settings
+
+
+def upload_to_s3(settings: dict, root: Path, tags: list[str]) -> None:
+    import boto3
+    import botocore.config
+
+    client = boto3.client("s3", endpoint_url=settings["store.endpoint"], aws_access_key_id=settings["store.access_key"],
+                          aws_secret_access_key=settings["store.secret_key"], region_name="us-east-1",
+                          config=botocore.config.Config(s3={"addressing_style": "path"}))
+    client.create_bucket(Bucket="bench")
+    for tag in tags:
+        client.put_object(Bucket="bench", Key=f"chunks/{tag[:2]}/{tag[2:4]}/{tag}",
+                          Body=(root / "chunks" / tag[:2] / tag[2:4] / tag).read_bytes())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chunks", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=30000)
+    parser.add_argument("--connections", type=int, default=4)
+    parser.add_argument("--streams", type=int, default=32, help="concurrent streams per connection")
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2, help="worker processes of isr-server and nginx")
+    parser.add_argument("--s3", action="store_true", help="also measure chunks in versitygw proxied by isr-server")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    for tool in ("h2load", "nginx"):
+        if not shutil.which(tool):
+            raise SystemExit(f"chunk_serving: {tool} is not installed (deps/debian.txt: nghttp2-client, nginx-light)")
+    work = Path(tempfile.mkdtemp(prefix="isr-bench-"))
+    started: list = []
+    try:
+        store_root = work / "store"
+        tags = make_chunks(store_root, args.chunks)
+        uris = work / "uris.txt"
+        uris.write_text("".join(f"/v1/chunks/{t}\n" for t in tags))
+        directory = {"store.backend": "directory", "store.path": str(store_root)}
+        targets: list[tuple[str, object]] = []
+        for serving in ("sendfile", "stream"):
+            server = IsrServer(work, directory, serving, args.workers)
+            started.append(server)
+            targets.append((f"isr-server {serving}", server))
+        if args.s3:
+            gw, s3 = start_versitygw(work)
+            started.append(type("GW", (), {"stop": lambda self: (gw.terminate(), gw.wait(timeout=20))})())
+            upload_to_s3(s3, store_root, tags)
+            server = IsrServer(work, s3, "stream", args.workers)
+            started.append(server)
+            targets.append(("isr-server s3-stream", server))
+        first = started[0]
+        nginx = Nginx(work, store_root, first.cert, first.key, args.workers)
+        started.append(nginx)
+        targets.append(("nginx", nginx))
+        results: dict[str, list[dict]] = {name: [] for name, _ in targets}
+        for trial in range(args.trials):
+            for name, target in targets:  # interleaved, so drift in the machine hits every path alike
+                token = getattr(target, "token", None)
+                results[name].append(h2load(target.url, uris, args.requests, args.connections, args.streams, token))
+        nginx_rps = statistics.median(r["req_s"] for r in results["nginx"])
+        rows = []
+        for name, runs in results.items():
+            rps = statistics.median(r["req_s"] for r in runs)
+            mbs = statistics.median(r["mb_s"] for r in runs)
+            rows.append({"path": name, "req_s": round(rps), "mb_s": round(mbs, 1), "vs_nginx": round(rps / nginx_rps, 2),
+                         "protocol": runs[0]["protocol"], "trials": [round(r["req_s"]) for r in runs]})
+        header = (f"chunk GET, {CHUNK_SIZE // 1024} KiB objects, TLS + HTTP/2, {args.connections} connections x "
+                  f"{args.streams} streams, {args.requests} requests per trial, median of {args.trials}, "
+                  f"{args.workers} server workers, {os.cpu_count()} cores, {platform.node()}, "
+                  f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}Z")
+        print(header)
+        print(f"{'path':<24} {'req/s':>8} {'MB/s':>8} {'vs nginx':>9}  trials (req/s)")
+        for row in rows:
+            print(f"{row['path']:<24} {row['req_s']:>8} {row['mb_s']:>8} {row['vs_nginx']:>9}  {row['trials']}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"setup": header, "results": rows}, indent=2))
+    finally:
+        for item in reversed(started):
+            try:
+                item.stop()
+            except Exception:
+                pass
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

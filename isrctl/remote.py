@@ -1,0 +1,333 @@
+"""The client side of the ISR server protocol (doc/protocol.md): the only isrctl module that speaks it.
+
+`Remote` makes the control calls (login, parcels, the lock, versions, blobs) and modest chunk transfers
+over HTTPS with HTTP/2 (httpx + h2). Bulk chunk transfer belongs to vulpes (libcurl); this class is for
+everything else and for tests.
+
+The server is trusted either through a CA file or by pinning the SHA-256 fingerprint of its certificate
+(``sha256:<hex>``, as isr-server prints it at start-up). A pinned fingerprint is checked during the TLS
+handshake, before any request (and so before any password or token) is sent.
+
+Errors are `RemoteError` subclasses (roots in `isrctl.errors.IsrError`); each carries the HTTP status,
+the server's error code and its JSON details.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import ssl
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .errors import IsrError
+
+DEFAULT_TIMEOUT = 60.0
+MISSING_BATCH = 10000
+
+
+class RemoteError(IsrError):
+    """The server refused a request or could not be reached."""
+
+    def __init__(self, message: str, *, status: int = 0, code: str = "", details: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.details = details or {}
+
+
+class RemoteUnreachable(RemoteError):
+    """No connection: DNS, refused connection, timeout, or a TLS failure."""
+
+
+class CertificateMismatch(RemoteUnreachable):
+    """The server's certificate does not have the pinned fingerprint."""
+
+
+class AuthenticationFailed(RemoteError):
+    """401: wrong user or password, or the token is unknown, revoked or expired."""
+
+
+class AccessDenied(RemoteError):
+    """403: the parcel belongs to another user."""
+
+
+class RemoteNotFound(RemoteError):
+    """404: no such parcel, version, blob or chunk."""
+
+
+class RemoteConflict(RemoteError):
+    """409: a conflict other than the specific ones below."""
+
+
+class LockHeld(RemoteConflict):
+    """409 ``locked``: someone holds the lock; `holder` says who, from where, since when, at which version."""
+
+    @property
+    def holder(self) -> dict[str, Any]:
+        return self.details.get("holder") or {}
+
+
+class LockLost(RemoteConflict):
+    """409 ``lock_lost``: the nonce no longer holds the lock (released, broken or taken over)."""
+
+
+class VersionConflict(RemoteConflict):
+    """409 ``parent_mismatch``: the parent is not the current version (`current` is)."""
+
+
+class ChunksMissing(RemoteConflict):
+    """409 ``chunks_missing``: the commit references chunks the server does not have (`missing`)."""
+
+    @property
+    def missing(self) -> list[str]:
+        return list(self.details.get("missing", []))
+
+
+class RequestRejected(RemoteError):
+    """400, 405, 413 or 422: the request itself was wrong (malformed, too large, tag mismatch)."""
+
+
+class ServerFailure(RemoteError):
+    """5xx: the server failed (its storage may be down); retrying later may help."""
+
+
+_CONFLICTS: dict[str, type[RemoteConflict]] = {
+    "locked": LockHeld, "lock_lost": LockLost, "parent_mismatch": VersionConflict, "chunks_missing": ChunksMissing,
+}
+
+
+def normalize_fingerprint(text: str) -> str:
+    """Accept ``sha256:<hex>``, bare hex, and colon-separated hex; return 64 lowercase hex digits."""
+    value = text.strip().lower()
+    if value.startswith("sha256:"):
+        value = value[len("sha256:"):]
+    value = value.replace(":", "")
+    if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise RemoteError(f"not a SHA-256 certificate fingerprint: {text!r}")
+    return value
+
+
+def _pinned_context(fingerprint: str) -> ssl.SSLContext:
+    """An SSL context that accepts exactly the certificate with this fingerprint (checked in the handshake)."""
+    want = bytes.fromhex(normalize_fingerprint(fingerprint))
+
+    class PinnedSocket(ssl.SSLSocket):
+        def do_handshake(self, block: bool = False) -> None:  # type: ignore[override]
+            super().do_handshake(block)
+            der = self.getpeercert(binary_form=True) or b""
+            if not hmac.compare_digest(hashlib.sha256(der).digest(), want):
+                raise ssl.SSLCertVerificationError(
+                    f"server certificate fingerprint sha256:{hashlib.sha256(der).hexdigest()} is not the pinned "
+                    f"sha256:{want.hex()}")
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # the fingerprint check above replaces chain verification
+    context.sslsocket_class = PinnedSocket
+    return context
+
+
+class Remote:
+    """A connection to one isr-server. Use as a context manager or call `close`."""
+
+    def __init__(self, url: str, *, fingerprint: str | None = None, ca_file: str | Path | None = None,
+                 token: str | None = None, timeout: float = DEFAULT_TIMEOUT, http2: bool = True) -> None:
+        if not url.startswith("https://"):
+            raise RemoteError(f"the server URL must start with https://, got {url!r}")
+        if fingerprint:
+            verify: ssl.SSLContext | bool = _pinned_context(fingerprint)
+        else:
+            context = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            verify = context
+        self.url = url.rstrip("/")
+        self.token = token
+        self.client = httpx.Client(base_url=self.url, verify=verify, http2=http2, timeout=timeout,
+                                   follow_redirects=True)
+
+    def __enter__(self) -> "Remote":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.client.close()
+
+    # --- transport --------------------------------------------------------------------------------
+
+    def request(self, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
+                nonce: str | None = None, auth: bool = True, headers: dict[str, str] | None = None) -> httpx.Response:
+        """Send one request; return the response if it is 2xx, raise the matching `RemoteError` if not."""
+        send_headers = dict(headers or {})
+        if auth:
+            if not self.token:
+                raise AuthenticationFailed("not logged in: call login() first", status=401, code="unauthorized")
+            send_headers["Authorization"] = f"Bearer {self.token}"
+        if nonce is not None:
+            send_headers["ISR-Lock"] = nonce
+        if json_body is not None:
+            content = json.dumps(json_body).encode()
+            send_headers["Content-Type"] = "application/json"
+        try:
+            response = self.client.request(method, path, content=content, headers=send_headers)
+        except httpx.ConnectError as e:
+            cause: BaseException | None = e
+            while cause is not None:
+                if isinstance(cause, ssl.SSLCertVerificationError):
+                    raise CertificateMismatch(f"{self.url}: {getattr(cause, 'verify_message', None) or cause}") from None
+                cause = cause.__cause__ or cause.__context__
+            raise RemoteUnreachable(f"cannot connect to {self.url}: {e}") from None
+        except httpx.TransportError as e:
+            raise RemoteUnreachable(f"{method} {self.url}{path}: {type(e).__name__}: {e}") from None
+        if response.status_code < 300 or response.status_code == 304:
+            return response
+        raise self._error(method, path, response)
+
+    def _error(self, method: str, path: str, response: httpx.Response) -> RemoteError:
+        status = response.status_code
+        try:
+            body = response.json()
+            if not isinstance(body, dict):
+                body = {}
+        except ValueError:
+            body = {}
+        message = str(body.get("error") or response.reason_phrase or "error")
+        code = str(body.get("code", ""))
+        details = {k: v for k, v in body.items() if k not in ("error", "code")}
+        text = f"{method} {path}: {status} {message}"
+        kind: type[RemoteError]
+        if status == 401:
+            kind = AuthenticationFailed
+        elif status == 403:
+            kind = AccessDenied
+        elif status == 404:
+            kind = RemoteNotFound
+        elif status == 409:
+            kind = _CONFLICTS.get(code, RemoteConflict)
+        elif status >= 500:
+            kind = ServerFailure
+        else:
+            kind = RequestRejected
+        return kind(text, status=status, code=code, details=details)
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self.request(method, path, **kwargs).json()
+
+    # --- sessions ---------------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/health", auth=False)
+
+    def login(self, user: str, password: str, label: str = "") -> str:
+        """Exchange a user name and password for a bearer token (kept in this object and returned)."""
+        body = self._json("POST", "/v1/login", json_body={"user": user, "password": password, "label": label},
+                          auth=False)
+        self.token = body["token"]
+        return self.token
+
+    def logout(self) -> None:
+        """Revoke the current token."""
+        self.request("POST", "/v1/logout")
+        self.token = None
+
+    def whoami(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/whoami")
+
+    def tokens(self) -> list[dict[str, Any]]:
+        return self._json("GET", "/v1/tokens")["tokens"]
+
+    def revoke_token(self, token_id: str) -> None:
+        self.request("DELETE", f"/v1/tokens/{token_id}")
+
+    # --- parcels and versions ---------------------------------------------------------------------
+
+    def parcels(self) -> list[dict[str, Any]]:
+        """The caller's parcels with their lock state and versions."""
+        return self._json("GET", "/v1/parcels")["parcels"]
+
+    def parcel(self, parcel: str) -> dict[str, Any]:
+        return self._json("GET", f"/v1/parcels/{parcel}")
+
+    def versions(self, parcel: str) -> dict[str, Any]:
+        return self._json("GET", f"/v1/parcels/{parcel}/versions")
+
+    def version(self, parcel: str, version: int) -> dict[str, Any]:
+        return self._json("GET", f"/v1/parcels/{parcel}/versions/{version}")
+
+    def key_envelope(self, parcel: str) -> bytes:
+        return self.request("GET", f"/v1/parcels/{parcel}/keyenvelope").content
+
+    def put_key_envelope(self, parcel: str, data: bytes, nonce: str) -> None:
+        self.request("PUT", f"/v1/parcels/{parcel}/keyenvelope", content=data, nonce=nonce)
+
+    def get_blob(self, parcel: str, version: int, name: str) -> bytes:
+        return self.request("GET", f"/v1/parcels/{parcel}/versions/{version}/{name}").content
+
+    def put_blob(self, parcel: str, name: str, data: bytes, nonce: str) -> dict[str, Any]:
+        """Stage a sealed blob for the next commit; the reply has its size and SHA-256."""
+        reply = self._json("PUT", f"/v1/parcels/{parcel}/staging/{name}", content=data, nonce=nonce)
+        if reply.get("sha256") != hashlib.sha256(data).hexdigest():
+            raise RemoteError(f"the server stored blob {name} with another SHA-256 than was sent")
+        return reply
+
+    def commit(self, parcel: str, nonce: str, parent: int, blobs: Sequence[str], tags: Iterable[str],
+               inherit: Sequence[str] = ()) -> dict[str, Any]:
+        """Commit version parent+1 from the staged `blobs` (plus `inherit`ed ones from the parent),
+        referencing the chunk `tags`."""
+        body = {"parent": parent, "blobs": list(blobs), "inherit": list(inherit), "tags": list(tags)}
+        return self._json("POST", f"/v1/parcels/{parcel}/versions", json_body=body, nonce=nonce)
+
+    # --- the lock ---------------------------------------------------------------------------------
+
+    def lock_status(self, parcel: str) -> dict[str, Any]:
+        return self._json("GET", f"/v1/parcels/{parcel}/lock")
+
+    def acquire(self, parcel: str, host: str, site: str = "", *, force: bool = False,
+                take_expired: bool = False) -> dict[str, Any]:
+        """Take the parcel's lock; the reply's ``nonce`` authorizes uploads, commits, renew and release.
+        Raises `LockHeld` (with `holder`) if someone else has it."""
+        body = {"host": host, "site": site, "force": force, "take_expired": take_expired}
+        return self._json("POST", f"/v1/parcels/{parcel}/lock", json_body=body)
+
+    def renew(self, parcel: str, nonce: str) -> dict[str, Any]:
+        return self._json("POST", f"/v1/parcels/{parcel}/lock/renew", nonce=nonce)
+
+    def release(self, parcel: str, nonce: str) -> None:
+        self.request("DELETE", f"/v1/parcels/{parcel}/lock", nonce=nonce)
+
+    def break_lock(self, parcel: str, *, force: bool = False, reason: str = "") -> dict[str, Any]:
+        return self._json("POST", f"/v1/parcels/{parcel}/lock/break", json_body={"force": force, "reason": reason})
+
+    # --- chunks -----------------------------------------------------------------------------------
+
+    def missing(self, tags: Sequence[str]) -> list[str]:
+        """Which of `tags` the server does not have (asked in batches)."""
+        out: list[str] = []
+        for start in range(0, len(tags), MISSING_BATCH):
+            out += self._json("POST", "/v1/chunks/missing", json_body={"tags": list(tags[start:start + MISSING_BATCH])})[
+                "missing"]
+        return out
+
+    def put_chunk(self, tag: str, data: bytes) -> bool:
+        """Upload a chunk object; True if the server did not have it yet."""
+        return bool(self._json("PUT", f"/v1/chunks/{tag}", content=data)["stored"])
+
+    def get_chunk(self, tag: str) -> bytes:
+        """Download a chunk object and check its tag (never return bytes that are not the object)."""
+        data = self.request("GET", f"/v1/chunks/{tag}").content
+        if hashlib.sha256(data).hexdigest() != tag:
+            raise RemoteError(f"chunk {tag} arrived with another SHA-256", code="tag_mismatch")
+        return data
+
+    def has_chunk(self, tag: str) -> bool:
+        try:
+            self.request("HEAD", f"/v1/chunks/{tag}")
+        except RemoteNotFound:
+            return False
+        return True

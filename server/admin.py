@@ -1,0 +1,476 @@
+"""isr-admin: manage an ISR server's users, parcels, versions, locks and storage.
+
+It reads the same configuration as isr-server and works directly on the metadata database and the object
+store, so it needs no running server. Everything that changes a parcel's versions takes the parcel's lock
+like a client does. ``--json`` prints machine-readable output; errors are one line on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import getpass
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import auth, names, ops
+from .config import Config
+from .errors import ApiError, ServerError
+from .main import load_config
+from .meta import open_meta
+from .meta.sql import SqlMeta
+from .progress import ProgressBar
+from .store import ObjectStore, open_store
+
+
+class AdminError(ServerError):
+    """A wrong use of isr-admin (a missing password, an unreadable file)."""
+
+
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(n)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths)).rstrip()]
+    for row in rows:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def _read_secret_file(path: str, what: str) -> str:
+    try:
+        text = sys.stdin.readline() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise AdminError(f"cannot read the {what} file {path}: {e.strerror}") from None
+    value = text.rstrip("\r\n")
+    if not value:
+        raise AdminError(f"the {what} file {path} is empty")
+    return value
+
+
+def _password(args: argparse.Namespace, what: str = "password") -> str:
+    if args.password_file:
+        return _read_secret_file(args.password_file, what)
+    if not sys.stdin.isatty():
+        raise AdminError(f"give --password-file (or run on a terminal to be asked for the {what})")
+    first = getpass.getpass(f"new {what}: ")
+    if first != getpass.getpass(f"again: "):
+        raise AdminError(f"the two {what}s differ")
+    if not first:
+        raise AdminError(f"the {what} must not be empty")
+    return first
+
+
+def _credential(passphrase_file: str | None, key_file: str | None, prompt: str, required: bool = True
+                ) -> tuple[str | None, bytes | None]:
+    """A parcel passphrase (from a file, or asked for) or a key file's contents."""
+    if key_file:
+        try:
+            return None, Path(key_file).read_bytes()
+        except OSError as e:
+            raise AdminError(f"cannot read the key file {key_file}: {e.strerror}") from None
+    if passphrase_file:
+        return _read_secret_file(passphrase_file, "passphrase"), None
+    if not required:
+        return None, None
+    if not sys.stdin.isatty():
+        raise AdminError("give --passphrase-file or --key-file (or run on a terminal to be asked)")
+    return getpass.getpass(prompt), None
+
+
+class Admin:
+    """The command implementations; each returns a JSON-able value and prints a human form unless --json."""
+
+    def __init__(self, config: Config, as_json: bool) -> None:
+        self.config = config
+        self.as_json = as_json
+        self._meta: SqlMeta | None = None
+        self._store: ObjectStore | None = None
+
+    @property
+    def meta(self) -> SqlMeta:
+        if self._meta is None:
+            meta = open_meta(self.config)
+            assert isinstance(meta, SqlMeta)
+            self._meta = meta
+        return self._meta
+
+    @property
+    def store(self) -> ObjectStore:
+        if self._store is None:
+            self._store = open_store(self.config)
+        return self._store
+
+    def close(self) -> None:
+        if self._meta is not None:
+            self._meta.close()
+        if self._store is not None:
+            self._store.close()
+
+    def out(self, value: Any, human: Callable[[], str]) -> None:
+        if self.as_json:
+            print(json.dumps(value, indent=2, sort_keys=True))
+        else:
+            text = human()
+            if text:
+                print(text)
+
+    def progress(self, label: str) -> ProgressBar:
+        return ProgressBar(label)
+
+    def parcel_id(self, text: str) -> str:
+        """A parcel by UUID or as owner/name."""
+        if "/" in text:
+            owner, _, name = text.partition("/")
+            return self.meta.find_parcel(owner, name).id
+        return self.meta.get_parcel(names.parcel_id(text)).id
+
+    # --- users ------------------------------------------------------------------------------------
+
+    def user_add(self, args: argparse.Namespace) -> None:
+        name = names.user_name(args.name)
+        user = self.meta.add_user(name, auth.hash_password(_password(args)), admin=args.admin)
+        self.out({"user": user.name, "admin": user.admin, "created": user.created},
+                 lambda: f"added user {user.name}{' (administrator)' if user.admin else ''}")
+
+    def user_remove(self, args: argparse.Namespace) -> None:
+        self.meta.remove_user(args.name)
+        self.out({"removed": args.name}, lambda: f"removed user {args.name}")
+
+    def user_password(self, args: argparse.Namespace) -> None:
+        if self.meta.get_user(args.name) is None:
+            raise AdminError(f"no user {args.name}")
+        self.meta.set_password(args.name, auth.hash_password(_password(args)))
+        self.out({"user": args.name, "password": "changed", "tokens": "revoked"},
+                 lambda: f"changed the password of {args.name} and revoked their tokens")
+
+    def user_list(self, args: argparse.Namespace) -> None:
+        users = self.meta.list_users()
+        counts: dict[str, int] = {}
+        for parcel in self.meta.list_parcels():
+            counts[parcel.owner] = counts.get(parcel.owner, 0) + 1
+        data = [{"user": u.name, "admin": u.admin, "created": u.created, "parcels": counts.get(u.name, 0)}
+                for u in users]
+        self.out(data, lambda: _table([[d["user"], "yes" if d["admin"] else "", str(d["parcels"]), _when(d["created"])]
+                                        for d in data], ["USER", "ADMIN", "PARCELS", "CREATED"]))
+
+    # --- parcels ----------------------------------------------------------------------------------
+
+    def parcel_create(self, args: argparse.Namespace) -> None:
+        names.user_name(args.owner)
+        names.parcel_name(args.name)
+        passphrase, keyfile = _credential(args.passphrase_file, args.key_file, f"passphrase for {args.name}: ")
+        vm: dict[str, Any] = {}
+        if args.vm:
+            try:
+                vm = json.loads(Path(args.vm).read_text() if Path(args.vm).is_file() else args.vm)
+            except (OSError, ValueError) as e:
+                raise AdminError(f"--vm must be a JSON object or a file holding one: {e}") from None
+            if not isinstance(vm, dict):
+                raise AdminError("--vm must be a JSON object")
+        for key in ("machine", "cpu", "smp"):
+            if getattr(args, key) is not None:
+                vm[key] = getattr(args, key)
+        boot: dict[str, Any] = {}
+        if args.kernel:
+            boot = {"kernel": args.kernel, "initrd": args.initrd, "cmdline": args.cmdline or ""}
+        with self.progress(f"encrypting {Path(args.disk).name}") as bar:
+            parcel = ops.create_parcel(self.meta, self.store, owner=args.owner, name=args.name, disk=args.disk,
+                                       ram_mib=args.ram, passphrase=passphrase, keyfile=keyfile, vm=vm or None,
+                                       boot=boot or None, chunk_size=args.chunk_size, log2n=args.scrypt_log2n,
+                                       progress=bar)
+        self.out(self._parcel_json(parcel), lambda: f"created parcel {parcel} ({args.owner}/{args.name}), version 1")
+
+    def _parcel_json(self, parcel: str) -> dict[str, Any]:
+        info = self.meta.get_parcel(parcel)
+        data = info.to_json()
+        data["owner"] = info.owner
+        data["versions"] = [v.to_json() for v in self.meta.list_versions(parcel)]
+        return data
+
+    def parcel_list(self, args: argparse.Namespace) -> None:
+        owner_id = None
+        if args.owner:
+            found = self.meta.get_user(args.owner)
+            if found is None:
+                raise AdminError(f"no user {args.owner}")
+            owner_id = found[0].id
+        parcels = self.meta.list_parcels(owner_id)
+        data = [p.to_json() for p in parcels]
+        self.out(data, lambda: _table(
+            [[p.id, p.owner, p.name, str(p.current_version),
+              f"{p.lock.user}@{p.lock.host}" + (" (expired)" if p.lock.expired() else "") if p.lock else "-"]
+             for p in parcels], ["PARCEL", "OWNER", "NAME", "VERSION", "LOCK"]))
+
+    def parcel_show(self, args: argparse.Namespace) -> None:
+        data = self._parcel_json(self.parcel_id(args.parcel))
+
+        def human() -> str:
+            lock = data["lock"]
+            lines = [f"parcel   {data['id']}", f"owner    {data['owner']}", f"name     {data['name']}",
+                     f"created  {_when(data['created'])}", f"current  {data['current_version']}",
+                     "lock     " + (f"{lock['user']} on {lock['host']} ({lock['site']}) since {_when(lock['acquired'])}"
+                                   f" at version {lock['version']}" + (" EXPIRED" if lock["expired"] else "")
+                                   if lock else "-"),
+                     "", self._versions_table(data["versions"])]
+            return "\n".join(lines)
+
+        self.out(data, human)
+
+    def parcel_copy(self, args: argparse.Namespace) -> None:
+        parcel = self.parcel_id(args.parcel)
+        names.user_name(args.owner)
+        names.parcel_name(args.name)
+        passphrase, keyfile = _credential(args.passphrase_file, args.key_file, "passphrase of the source parcel: ")
+        new_pass, new_key = _credential(args.new_passphrase_file, args.new_key_file, "", required=False)
+        new = ops.copy_parcel(self.meta, self.store, parcel, owner=args.owner, name=args.name, passphrase=passphrase,
+                              keyfile=keyfile, new_passphrase=new_pass, new_keyfile=new_key, log2n=args.scrypt_log2n)
+        self.out(self._parcel_json(new), lambda: f"copied {parcel} to {new} ({args.owner}/{args.name})")
+
+    def parcel_remove(self, args: argparse.Namespace) -> None:
+        parcel = self.parcel_id(args.parcel)
+        ops.remove_parcel(self.meta, self.store, parcel, force=args.force)
+        self.out({"removed": parcel}, lambda: f"removed parcel {parcel} (run gc to free its chunks)")
+
+    # --- versions ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _versions_table(versions: list[dict[str, Any]]) -> str:
+        return _table([[str(v["version"]), _when(v["created"]), v["user"], f"{v['host']} ({v['site']})",
+                        str(v["chunk_count"]), _size(v["chunk_bytes"])] for v in versions],
+                      ["VERSION", "CREATED", "BY", "FROM", "CHUNKS", "BYTES"])
+
+    def version_list(self, args: argparse.Namespace) -> None:
+        parcel = self.parcel_id(args.parcel)
+        data = [v.to_json() for v in self.meta.list_versions(parcel)]
+        self.out(data, lambda: self._versions_table(data))
+
+    def version_prune(self, args: argparse.Namespace) -> None:
+        parcel = self.parcel_id(args.parcel)
+        deleted = ops.prune(self.meta, self.store, parcel, args.keep)
+        self.out({"parcel": parcel, "deleted": deleted},
+                 lambda: f"deleted versions {', '.join(map(str, deleted))} (run gc to free chunks)" if deleted
+                 else "nothing to prune")
+
+    def version_rollback(self, args: argparse.Namespace) -> None:
+        parcel = self.parcel_id(args.parcel)
+        passphrase, keyfile = _credential(args.passphrase_file, args.key_file, "passphrase: ")
+        new = ops.rollback(self.meta, self.store, parcel, args.version, passphrase=passphrase, keyfile=keyfile,
+                           force=args.force)
+        self.out({"parcel": parcel, "version": new, "content_of": args.version},
+                 lambda: f"version {new} of {parcel} now holds the content of version {args.version}")
+
+    # --- locks ------------------------------------------------------------------------------------
+
+    def lock_show(self, args: argparse.Namespace) -> None:
+        if args.parcel:
+            parcels = [self.meta.get_parcel(self.parcel_id(args.parcel))]
+        else:
+            parcels = [p for p in self.meta.list_parcels() if p.lock is not None]
+        data = [{"parcel": p.id, "owner": p.owner, "name": p.name, "lock": p.lock.to_json() if p.lock else None}
+                for p in parcels]
+        self.out(data, lambda: _table(
+            [[d["parcel"], f"{d['owner']}/{d['name']}"] + (
+                [d["lock"]["user"], d["lock"]["host"], d["lock"]["site"], _when(d["lock"]["acquired"]),
+                 str(d["lock"]["version"]), _when(d["lock"]["expires"]) + (" (expired)" if d["lock"]["expired"] else "")]
+                if d["lock"] else ["-", "", "", "", "", ""]) for d in data],
+            ["PARCEL", "OWNER/NAME", "HOLDER", "HOST", "SITE", "SINCE", "VERSION", "EXPIRES"]))
+
+    def lock_break(self, args: argparse.Namespace) -> None:
+        parcel = self.parcel_id(args.parcel)
+        old = self.meta.break_lock(parcel, ops.ADMIN_ACTOR, "", args.reason or "admin")
+        self.store.delete_prefix(f"staging/{parcel}/{old.lock_id}/")
+        self.out({"parcel": parcel, "broken": old.to_json()},
+                 lambda: f"broke the lock of {parcel} held by {old.user} on {old.host} since {_when(old.acquired)}")
+
+    # --- storage ----------------------------------------------------------------------------------
+
+    def gc(self, args: argparse.Namespace) -> None:
+        grace = args.grace if args.grace is not None else self.config["server.gc_grace_seconds"]
+        with self.progress("deleting unreferenced chunks") as bar:
+            stats = ops.gc(self.meta, self.store, grace, progress=bar, dry_run=args.dry_run)
+        self.out(stats, lambda: (f"{stats['candidates']} unreferenced chunk(s) older than {grace} s"
+                                 if stats["dry_run"] else
+                                 f"deleted {stats['deleted']} chunk(s), {_size(stats['deleted_bytes'])}; "
+                                 f"{stats['orphans_deleted']} orphan object(s), {stats['staging_deleted']} stale "
+                                 f"staged blob(s)"))
+
+    def fsck(self, args: argparse.Namespace) -> None:
+        with self.progress("re-hashing chunks") as bar:
+            report = ops.fsck(self.meta, self.store, progress=bar, repair=args.repair)
+
+        def human() -> str:
+            lines = [f"checked {report['chunks_checked']} chunk object(s) and {report['versions_checked']} version(s)"]
+            for tag in report["corrupt"]:
+                lines.append(f"corrupt chunk {tag}")
+            for tag in report["missing"]:
+                lines.append(f"missing chunk {tag}")
+            for tag in report["unindexed"]:
+                lines.append(f"chunk {tag} is stored but not indexed (gc will remove it)")
+            for item in report["incomplete_versions"]:
+                lines.append(f"parcel {item['parcel']} version {item['version']}: {'; '.join(item['problems'])}")
+            lines.append("ok" if report["ok"] else "PROBLEMS FOUND" + (" (repaired what could be)" if args.repair else ""))
+            return "\n".join(lines)
+
+        self.out(report, human)
+        if not report["ok"]:
+            raise SystemExit(1)
+
+    def usage(self, args: argparse.Namespace) -> None:
+        data = ops.usage(self.meta)
+
+        def human() -> str:
+            rows = [[name, str(u["parcels"]), str(u["versions"]), _size(u["logical_bytes"]),
+                     _size(u["unique_chunk_bytes"]), _size(u["blob_bytes"]),
+                     f"{u['dedup_ratio']:.2f}" if u["dedup_ratio"] else "-"] for name, u in sorted(data["users"].items())]
+            total = (f"stored: {data['chunks']} chunks, {_size(data['chunk_bytes'])}; referenced by all versions: "
+                     f"{_size(data['logical_bytes'])}; dedup ratio "
+                     + (f"{data['dedup_ratio']:.2f}" if data["dedup_ratio"] else "-"))
+            return _table(rows, ["USER", "PARCELS", "VERSIONS", "LOGICAL", "UNIQUE", "BLOBS", "DEDUP"]) + "\n" + total
+
+        self.out(data, human)
+
+    def audit(self, args: argparse.Namespace) -> None:
+        parcel = self.parcel_id(args.parcel) if args.parcel else None
+        entries = self.meta.list_audit(parcel, args.limit)
+        data = [e.to_json() for e in entries]
+        self.out(data, lambda: "\n".join(
+            f"{_when(e.at)} {e.actor} {e.action} {e.parcel or '-'} {e.remote or '-'} {json.dumps(e.detail, sort_keys=True)}"
+            for e in entries))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="isr-admin", description="Manage an ISR server's users, parcels and storage.")
+    parser.add_argument("-c", "--config", help="the server's config file (default: $ISR_SERVER_CONFIG)")
+    parser.add_argument("--data-dir", help="override server.data_dir")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE", help="override a setting")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    top = parser.add_subparsers(dest="noun", required=True)
+
+    def cmd(sub: Any, name: str, func: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(func=func)
+        return p
+
+    def credentials(p: argparse.ArgumentParser, prefix: str = "") -> None:
+        group = p.add_mutually_exclusive_group()
+        group.add_argument(f"--{prefix}passphrase-file", help="file holding the parcel passphrase ('-': stdin)")
+        group.add_argument(f"--{prefix}key-file", help="key file protecting the parcel instead of a passphrase")
+
+    users = top.add_parser("user", help="users").add_subparsers(dest="verb", required=True)
+    p = cmd(users, "add", "user_add", "add a user")
+    p.add_argument("name")
+    p.add_argument("--admin", action="store_true", help="may break any parcel's lock through the API")
+    p.add_argument("--password-file", help="file holding the password ('-': first line of stdin)")
+    p = cmd(users, "remove", "user_remove", "remove a user who owns no parcels")
+    p.add_argument("name")
+    p = cmd(users, "password", "user_password", "set a user's password (revokes their tokens)")
+    p.add_argument("name")
+    p.add_argument("--password-file", help="file holding the password ('-': first line of stdin)")
+    cmd(users, "list", "user_list", "list users")
+
+    parcels = top.add_parser("parcel", help="parcels").add_subparsers(dest="verb", required=True)
+    p = cmd(parcels, "create", "parcel_create", "create a parcel from a raw or qcow2 disk image")
+    p.add_argument("--owner", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--disk", required=True, help="raw or qcow2 disk image")
+    p.add_argument("--ram", type=int, required=True, metavar="MIB", help="VM memory in MiB")
+    p.add_argument("--machine", help="QEMU machine type (versioned, e.g. pc-q35-7.2)")
+    p.add_argument("--cpu", help="QEMU CPU model")
+    p.add_argument("--smp", type=int, help="virtual CPUs")
+    p.add_argument("--vm", help="more VM settings as a JSON object or a file holding one")
+    p.add_argument("--kernel", help="kernel for direct boot")
+    p.add_argument("--initrd", help="initrd for direct boot")
+    p.add_argument("--cmdline", help="kernel command line")
+    p.add_argument("--chunk-size", type=int, help="chunk size in bytes (default 131072)")
+    p.add_argument("--scrypt-log2n", type=int, help="scrypt cost of the key envelope (default 15)")
+    credentials(p)
+    p = cmd(parcels, "list", "parcel_list", "list parcels")
+    p.add_argument("--owner")
+    p = cmd(parcels, "show", "parcel_show", "show a parcel, its lock and versions")
+    p.add_argument("parcel", help="UUID or owner/name")
+    p = cmd(parcels, "copy", "parcel_copy", "copy a parcel's current version into a new parcel")
+    p.add_argument("parcel", help="UUID or owner/name")
+    p.add_argument("--owner", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--scrypt-log2n", type=int, help="scrypt cost of the new key envelope (default 15)")
+    credentials(p)
+    credentials(p, "new-")
+    p = cmd(parcels, "remove", "parcel_remove", "remove a parcel and all its versions")
+    p.add_argument("parcel", help="UUID or owner/name")
+    p.add_argument("--force", action="store_true", help="even if it is locked")
+
+    versions = top.add_parser("version", help="versions").add_subparsers(dest="verb", required=True)
+    p = cmd(versions, "list", "version_list", "list a parcel's versions")
+    p.add_argument("parcel", help="UUID or owner/name")
+    p = cmd(versions, "prune", "version_prune", "delete all but the newest N versions")
+    p.add_argument("parcel", help="UUID or owner/name")
+    p.add_argument("--keep", type=int, required=True)
+    p = cmd(versions, "rollback", "version_rollback", "make a new version with an older version's content")
+    p.add_argument("parcel", help="UUID or owner/name")
+    p.add_argument("version", type=int)
+    p.add_argument("--force", action="store_true", help="break a client's lock to do it")
+    credentials(p)
+
+    locks = top.add_parser("lock", help="locks").add_subparsers(dest="verb", required=True)
+    p = cmd(locks, "show", "lock_show", "show one parcel's lock, or every held lock")
+    p.add_argument("parcel", nargs="?", help="UUID or owner/name")
+    p = cmd(locks, "break", "lock_break", "break a parcel's lock")
+    p.add_argument("parcel", help="UUID or owner/name")
+    p.add_argument("--reason", default="")
+
+    p = cmd(top, "gc", "gc", "delete chunks that no version references (safe while clients upload)")
+    p.add_argument("--grace", type=float, help="keep chunks touched this recently (seconds; default server.gc_grace_seconds)")
+    p.add_argument("--dry-run", action="store_true")
+    p = cmd(top, "fsck", "fsck", "re-hash every chunk and check every version is complete")
+    p.add_argument("--repair", action="store_true", help="delete corrupt objects and forget missing ones")
+    cmd(top, "usage", "usage", "bytes stored, dedup ratio, per user")
+    p = cmd(top, "audit", "audit", "show the audit log (lock actions, commits, admin actions)")
+    p.add_argument("--parcel", help="UUID or owner/name")
+    p.add_argument("--limit", type=int, default=100)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from parcels.errors import ParcelError
+
+    admin = None
+    try:
+        config = load_config(args)
+        admin = Admin(config, args.json)
+        getattr(admin, args.func)(args)
+    except ApiError as e:
+        print(f"isr-admin: {e}", file=sys.stderr)
+        return 1
+    except (ServerError, ParcelError) as e:
+        print(f"isr-admin: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("isr-admin: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if admin is not None:
+            admin.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

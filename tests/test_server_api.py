@@ -1,0 +1,358 @@
+"""The isr-server API suite, run against every backend set (sqlite+directory, PostgreSQL+S3).
+
+Each test talks to a real isr-server over real TLS (HTTP/2) through isrctl.remote, the client isrctl uses.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import ssl
+import threading
+import time
+
+import httpx
+import pytest
+
+from isrctl.remote import (AccessDenied, AuthenticationFailed, CertificateMismatch, ChunksMissing, LockHeld,
+                           LockLost, Remote, RemoteConflict, RemoteNotFound, RequestRejected, VersionConflict)
+from tests.server_fixtures import LOCK_LEASE, ServerEnv, postgres_dsn, s3_server, server_env, wait_until  # noqa: F401
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def make_chunk(size: int = 4096) -> tuple[str, bytes]:
+    data = os.urandom(size)
+    return hashlib.sha256(data).hexdigest(), data
+
+
+def make_version(client: Remote, parcel: str, nonce: str, parent: int, n_chunks: int = 3,
+                 extra_blobs: dict[str, bytes] | None = None) -> tuple[dict, list[str], dict[str, bytes]]:
+    """Upload new chunks and placeholder sealed blobs, then commit; return (version, tags, blobs)."""
+    chunks = [make_chunk() for _ in range(n_chunks)]
+    tags = [t for t, _ in chunks]
+    assert sorted(client.missing(tags)) == sorted(tags)
+    for tag, data in chunks:
+        assert client.put_chunk(tag, data) is True
+    assert client.missing(tags) == []
+    blobs = {"manifest": os.urandom(300), "keyring.disk": os.urandom(200), "keyring.memory": os.urandom(28)}
+    blobs.update(extra_blobs or {})
+    for name, data in blobs.items():
+        reply = client.put_blob(parcel, name, data, nonce)
+        assert reply["size"] == len(data)
+    version = client.commit(parcel, nonce, parent, list(blobs), tags)
+    return version, tags, blobs
+
+
+def test_health_is_https_with_http2(server_env: ServerEnv) -> None:
+    with server_env.client() as client:
+        assert client.health()["status"] == "ok"
+        assert client.client.get("/v1/health").http_version == "HTTP/2"
+    with server_env.server.client(http2=False) as client:
+        assert client.client.get("/v1/health").http_version == "HTTP/1.1"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_tls_versions(server_env: ServerEnv) -> None:
+    host, port = server_env.server.url.removeprefix("https://").rsplit(":", 1)
+    for version, accepted in ((ssl.TLSVersion.TLSv1_2, True), (ssl.TLSVersion.TLSv1_3, True),
+                              (ssl.TLSVersion.TLSv1_1, False)):
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        try:
+            context.minimum_version = version
+            context.maximum_version = version
+        except (ValueError, ssl.SSLError):
+            continue
+        with socket.create_connection((host, int(port)), timeout=10) as raw:
+            try:
+                with context.wrap_socket(raw) as tls:
+                    got = tls.version()
+            except (ssl.SSLError, OSError):
+                got = None
+        if accepted:
+            assert got is not None, f"{version.name} refused"
+        else:
+            assert got is None, f"{version.name} accepted"
+
+
+def test_pinned_fingerprint_is_checked(server_env: ServerEnv) -> None:
+    wrong = "sha256:" + "00" * 32
+    with Remote(server_env.server.url, fingerprint=wrong) as client:
+        with pytest.raises(CertificateMismatch):
+            client.login("alice", "alice-password")
+    with pytest.raises(Exception):
+        with Remote(server_env.server.url) as client:  # system CAs do not trust the self-signed certificate
+            client.health()
+
+
+def test_login_tokens_logout(server_env: ServerEnv) -> None:
+    with server_env.client() as client:
+        with pytest.raises(AuthenticationFailed):
+            client.login("alice", "wrong")
+        with pytest.raises(AuthenticationFailed):
+            client.login("nobody", "x")
+        token = client.login("alice", "alice-password", label="laptop")
+        assert token.startswith("isr_")
+        me = client.whoami()
+        assert me["user"] == "alice" and me["admin"] is False and me["token"]["label"] == "laptop"
+        listed = client.tokens()
+        assert any(t["current"] for t in listed)
+        other = Remote(server_env.server.url, fingerprint=server_env.server.fingerprint)
+        second = other.login("alice", "alice-password", label="desktop")
+        second_id = other.whoami()["token"]["id"]
+        client.revoke_token(second_id)
+        with pytest.raises(AuthenticationFailed):
+            other.whoami()
+        other.close()
+        assert second != token
+        client.logout()
+        client.token = token
+        with pytest.raises(AuthenticationFailed):
+            client.whoami()
+
+
+def test_parcels_are_private(server_env: ServerEnv) -> None:
+    mine = server_env.new_parcel("alice")
+    theirs = server_env.new_parcel("bob")
+    with server_env.client("alice") as alice, server_env.client("bob") as bob:
+        ids = [p["id"] for p in alice.parcels()]
+        assert mine in ids and theirs not in ids
+        listed = next(p for p in alice.parcels() if p["id"] == mine)
+        assert listed["lock"] is None and listed["versions"] == [] and listed["current_version"] == 0
+        with pytest.raises(AccessDenied):
+            alice.parcel(theirs)
+        with pytest.raises(AccessDenied):
+            alice.key_envelope(theirs)
+        with pytest.raises(AccessDenied):
+            alice.acquire(theirs, host="h")
+        with pytest.raises(RemoteNotFound):
+            alice.parcel("00000000-0000-4000-8000-000000000000")
+        assert len(bob.key_envelope(theirs)) == 148
+
+
+def test_chunks_put_get_head_missing(server_env: ServerEnv) -> None:
+    tag, data = make_chunk(131072 + 28)
+    with server_env.client("alice") as client:
+        assert client.missing([tag, tag]) == [tag]
+        assert client.has_chunk(tag) is False
+        with pytest.raises(RemoteNotFound):
+            client.get_chunk(tag)
+        assert client.put_chunk(tag, data) is True
+        assert client.put_chunk(tag, data) is False  # idempotent
+        assert client.missing([tag]) == []
+        assert client.get_chunk(tag) == data
+        assert client.has_chunk(tag)
+        response = client.request("GET", f"/v1/chunks/{tag}")
+        assert "immutable" in response.headers["cache-control"]
+        assert response.headers["etag"] == f'"{tag}"'
+        assert int(response.headers["content-length"]) == len(data)
+        head = client.request("HEAD", f"/v1/chunks/{tag}")
+        assert int(head.headers["content-length"]) == len(data) and head.content == b""
+        again = client.request("GET", f"/v1/chunks/{tag}", headers={"If-None-Match": f'"{tag}"'})
+        assert again.status_code == 304
+        with pytest.raises(RequestRejected) as e:
+            client.request("PUT", f"/v1/chunks/{'0' * 64}", content=data)
+        assert e.value.status == 422 and e.value.code == "tag_mismatch"
+
+
+def test_version_commit_cycle(server_env: ServerEnv) -> None:
+    parcel = server_env.new_parcel("alice")
+    with server_env.client("alice") as client:
+        nonce = client.acquire(parcel, host="laptop", site="home")["nonce"]
+        v1, tags1, blobs1 = make_version(client, parcel, nonce, parent=0, extra_blobs={"devstate": b"d" * 1000})
+        assert v1["version"] == 1 and v1["parent"] is None and v1["chunk_count"] == 3
+        assert v1["host"] == "laptop" and v1["site"] == "home"
+        for name, data in blobs1.items():
+            assert client.get_blob(parcel, 1, name) == data
+        head = client.request("HEAD", f"/v1/parcels/{parcel}/versions/1/devstate")
+        assert int(head.headers["content-length"]) == 1000
+        with pytest.raises(RemoteNotFound):
+            client.get_blob(parcel, 1, "nosuchblob")
+        # Version 2 inherits the devstate, references one old chunk and one new one.
+        new_tag, new_data = make_chunk()
+        client.put_chunk(new_tag, new_data)
+        blobs2 = {"manifest": b"m2", "keyring.disk": b"k2", "keyring.memory": b"km2"}
+        for name, data in blobs2.items():
+            client.put_blob(parcel, name, data, nonce)
+        client.put_blob(parcel, "unlisted", b"dropped at commit", nonce)
+        v2 = client.commit(parcel, nonce, 1, list(blobs2), [tags1[0], new_tag], inherit=["devstate"])
+        assert v2["version"] == 2 and v2["parent"] == 1 and v2["chunk_count"] == 2
+        assert client.get_blob(parcel, 2, "devstate") == b"d" * 1000
+        assert client.get_blob(parcel, 2, "manifest") == b"m2"
+        with pytest.raises(RemoteNotFound):
+            client.get_blob(parcel, 2, "unlisted")
+        assert client.get_blob(parcel, 1, "manifest") == blobs1["manifest"]  # old versions stay intact
+        # A stale parent is refused.
+        for name, data in blobs2.items():
+            client.put_blob(parcel, name, data, nonce)
+        with pytest.raises(VersionConflict) as e:
+            client.commit(parcel, nonce, 1, list(blobs2), [new_tag])
+        assert e.value.details["current"] == 2
+        # A missing chunk is refused, with the list of what is missing.
+        absent = hashlib.sha256(b"never uploaded").hexdigest()
+        with pytest.raises(ChunksMissing) as e:
+            client.commit(parcel, nonce, 2, list(blobs2), [new_tag, absent])
+        assert e.value.missing == [absent]
+        # A blob that was not staged is refused.
+        with pytest.raises(RemoteConflict) as e:
+            client.commit(parcel, nonce, 2, [*blobs2, "kernel"], [new_tag])
+        assert e.value.code == "blobs_missing"
+        info = client.parcel(parcel)
+        assert info["current_version"] == 2 and [v["version"] for v in info["versions"]] == [1, 2]
+        assert client.versions(parcel)["current"] == 2
+        assert client.version(parcel, 1)["chunk_count"] == 3
+        client.release(parcel, nonce)
+        # After release the nonce is worthless.
+        with pytest.raises(LockLost):
+            client.commit(parcel, nonce, 2, list(blobs2), [new_tag])
+        with pytest.raises(LockLost):
+            client.put_blob(parcel, "manifest", b"x", nonce)
+        listed = next(p for p in client.parcels() if p["id"] == parcel)
+        assert listed["lock"] is None and [v["version"] for v in listed["versions"]] == [1, 2]
+
+
+def test_lock_refusal_names_the_holder(server_env: ServerEnv) -> None:
+    parcel = server_env.new_parcel("alice")
+    with server_env.client("alice") as laptop, server_env.client("alice") as desktop:
+        first = laptop.acquire(parcel, host="laptop.example", site="home")
+        assert first["lock"]["version"] == 0
+        with pytest.raises(LockHeld) as e:
+            desktop.acquire(parcel, host="desktop.example", site="office")
+        holder = e.value.holder
+        assert holder["user"] == "alice" and holder["host"] == "laptop.example" and holder["site"] == "home"
+        assert holder["version"] == 0 and abs(holder["acquired"] - time.time()) < 60
+        renewed = laptop.renew(parcel, first["nonce"])
+        assert renewed["lock"]["renewed"] >= first["lock"]["renewed"]
+        status = desktop.lock_status(parcel)
+        assert status["locked"] and status["lock"]["host"] == "laptop.example"
+        # The owner may break only with force (unless the lease expired).
+        with pytest.raises(RemoteConflict) as e:
+            desktop.break_lock(parcel)
+        if e.value.code != "force_required":
+            assert holder  # the lease may have run out meanwhile on a slow machine
+        second = desktop.acquire(parcel, host="desktop.example", site="office", force=True)
+        assert second["replaced"]["host"] == "laptop.example"
+        with pytest.raises(LockLost):
+            laptop.renew(parcel, first["nonce"])
+        with pytest.raises(LockLost):
+            laptop.release(parcel, first["nonce"])
+        broken = desktop.break_lock(parcel, force=True, reason="test")
+        assert broken["broken"]["host"] == "desktop.example"
+        with pytest.raises(LockLost):
+            desktop.release(parcel, second["nonce"])
+        assert laptop.lock_status(parcel)["locked"] is False
+
+
+def test_admin_breaks_and_others_cannot(server_env: ServerEnv) -> None:
+    parcel = server_env.new_parcel("alice")
+    with server_env.client("alice") as alice, server_env.client("bob") as bob, server_env.client("root") as root:
+        nonce = alice.acquire(parcel, host="a")["nonce"]
+        with pytest.raises(AccessDenied):
+            bob.break_lock(parcel, force=True)
+        assert root.lock_status(parcel)["locked"]
+        root.break_lock(parcel, reason="maintenance")
+        with pytest.raises(LockLost):
+            alice.renew(parcel, nonce)
+        with pytest.raises(AccessDenied):
+            root.acquire(parcel, host="root-host")  # an admin breaks locks but does not take parcels
+
+
+def test_lease_expiry_never_hands_over_silently(server_env: ServerEnv) -> None:
+    parcel = server_env.new_parcel("alice")
+    with server_env.client("alice") as laptop, server_env.client("alice") as desktop:
+        first = laptop.acquire(parcel, host="laptop")
+        assert first["lock"]["expires"] is not None
+        wait_until(lambda: desktop.lock_status(parcel)["lock"]["expired"], LOCK_LEASE + 10, "the lease to expire")
+        with pytest.raises(LockHeld) as e:
+            desktop.acquire(parcel, host="desktop")
+        assert e.value.holder["expired"] is True and e.value.holder["host"] == "laptop"
+        second = desktop.acquire(parcel, host="desktop", take_expired=True)
+        assert second["replaced"]["host"] == "laptop"
+        with pytest.raises(LockLost):
+            laptop.renew(parcel, first["nonce"])
+        desktop.release(parcel, second["nonce"])
+    entries = server_env.admin_json("audit", "--parcel", parcel)
+    assert any(e["action"] == "lock.break" and e["detail"]["reason"] == "expired" for e in entries)
+
+
+def test_audit_trail_records_lock_actions_and_commits(server_env: ServerEnv) -> None:
+    parcel = server_env.new_parcel("alice")
+    with server_env.client("alice") as client, server_env.client("alice") as other:
+        nonce = client.acquire(parcel, host="h1", site="s1")["nonce"]
+        with pytest.raises(LockHeld):
+            other.acquire(parcel, host="h2")
+        client.renew(parcel, nonce)
+        make_version(client, parcel, nonce, parent=0)
+        client.release(parcel, nonce)
+    actions = [e["action"] for e in server_env.admin_json("audit", "--parcel", parcel)]
+    for expected in ("lock.acquire", "lock.refused", "lock.renew", "version.commit", "lock.release"):
+        assert expected in actions, actions
+    assert actions.index("lock.acquire") < actions.index("version.commit") < actions.index("lock.release")
+    log = (server_env.root / "audit.log").read_text()
+    assert f"version.commit parcel={parcel}" in log
+
+
+def test_concurrent_acquires_one_winner(server_env: ServerEnv) -> None:
+    parcel = server_env.new_parcel("alice")
+    clients = [server_env.client("alice") for _ in range(6)]
+    for c in clients:
+        c.health()  # connect before the race
+    barrier = threading.Barrier(len(clients))
+    results: list[str] = []
+
+    def contend(i: int) -> None:
+        barrier.wait(timeout=30)
+        try:
+            clients[i].acquire(parcel, host=f"host{i}")
+            results.append("won")
+        except LockHeld:
+            results.append("refused")
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(len(clients))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for c in clients:
+        c.close()
+    assert sorted(results) == ["refused"] * (len(clients) - 1) + ["won"]
+
+
+def test_staged_blob_size_limit(server_env: ServerEnv) -> None:
+    parcel = server_env.new_parcel("alice")
+    limit = server_env.settings["server.max_blob_bytes"]
+    with server_env.client("alice") as client:
+        nonce = client.acquire(parcel, host="h")["nonce"]
+        client.put_blob(parcel, "devstate", os.urandom(limit), nonce)
+        with pytest.raises(RequestRejected) as e:
+            client.put_blob(parcel, "devstate", os.urandom(limit + 1), nonce)
+        assert e.value.status == 413
+        client.release(parcel, nonce)
+
+
+def test_key_envelope_replace_needs_lock(server_env: ServerEnv) -> None:
+    import uuid
+
+    parcel = server_env.new_parcel("alice")
+    envelope = b"ISRE\x01\x01\x00\x00" + uuid.UUID(parcel).bytes + os.urandom(124)
+    with server_env.client("alice") as client:
+        nonce = client.acquire(parcel, host="h")["nonce"]
+        client.put_key_envelope(parcel, envelope, nonce)
+        assert client.key_envelope(parcel) == envelope
+        with pytest.raises(RequestRejected) as e:
+            client.put_key_envelope(parcel, envelope[:100], nonce)
+        assert e.value.status in (413, 422)
+        other = b"ISRE\x01\x01\x00\x00" + uuid.uuid4().bytes + os.urandom(124)
+        with pytest.raises(RequestRejected):
+            client.put_key_envelope(parcel, other, nonce)
+        client.release(parcel, nonce)
+        with pytest.raises(LockLost):
+            client.put_key_envelope(parcel, envelope, nonce)
+
+
+def test_plain_http_is_not_served(server_env: ServerEnv) -> None:
+    url = server_env.server.url.replace("https://", "http://")
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url + "/v1/health", timeout=5)
