@@ -1,0 +1,305 @@
+"""Read iCalendar files (RFC 5545) into concrete event occurrences, for hoard scheduling.
+
+This is the only isrctl module that imports ``icalendar`` and ``recurring_ical_events``: parsing, time
+zones and recurrence (RRULE, RDATE, EXDATE, RECURRENCE-ID overrides) are theirs. What this module adds:
+
+- **Fault isolation.** One broken event must not cost the user the rest of their calendar. The text is
+  split into its VEVENT blocks (after RFC 5545 line unfolding, keeping the original line numbers); each
+  block is parsed and checked on its own, together with the calendar's VTIMEZONE definitions. A broken
+  block becomes a `CalendarProblem` naming its source and first line, and every other event is still used.
+- **One notion of time.** Every occurrence comes out as an aware UTC `datetime`. Floating times (no zone)
+  are read in the user's local zone. An all-day event starts at ``allday_start`` local time on its day
+  (people do not arrive at midnight).
+- **Cancelled is gone.** Events and occurrences with STATUS:CANCELLED are dropped.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import re
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import icalendar
+import recurring_ical_events
+
+from .errors import IsrError
+
+log = logging.getLogger(__name__)
+
+#: Largest calendar accepted, from a file or a URL: a person's calendar is far smaller.
+MAX_CALENDAR_BYTES = 32 << 20
+
+
+class CalendarError(IsrError):
+    """A calendar source cannot be read at all (missing file, unreachable URL, not iCalendar)."""
+
+
+@dataclass(frozen=True)
+class CalendarProblem:
+    """One event that could not be used, and why; the rest of its calendar still counts."""
+
+    source: str
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.source} line {self.line}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Occurrence:
+    """One concrete occurrence of a calendar event."""
+
+    uid: str
+    summary: str
+    location: str
+    categories: tuple[str, ...]
+    start: dt.datetime  # aware, UTC
+    end: dt.datetime  # aware, UTC
+    all_day: bool
+    source: str
+
+    @property
+    def key(self) -> str:
+        """Identifies this occurrence across re-reads of the calendar (for "already hoarded" state)."""
+        return f"{self.uid}@{self.start.strftime('%Y%m%dT%H%M%SZ')}"
+
+
+@dataclass
+class CalendarRead:
+    occurrences: list[Occurrence]
+    problems: list[CalendarProblem]
+
+
+def read_source(source: str, *, timeout: float = 20.0) -> bytes:
+    """The bytes of a calendar given as a file path or an https URL.
+
+    Raises CalendarError if it cannot be read, is too large, or the URL is not https.
+    """
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", source):
+        scheme = urllib.parse.urlsplit(source).scheme.lower()
+        if scheme != "https":
+            raise CalendarError(f"calendar URL {source} must use https")
+        import httpx  # only needed for URLs
+
+        try:
+            with httpx.Client(timeout=timeout, follow_redirects=True) as client:
+                response = client.get(source)
+        except httpx.HTTPError as exc:
+            raise CalendarError(f"cannot fetch calendar {source}: {exc}") from exc
+        if response.status_code != 200:
+            raise CalendarError(f"cannot fetch calendar {source}: HTTP {response.status_code}")
+        data = response.content
+    else:
+        try:
+            with open(source, "rb") as f:
+                data = f.read(MAX_CALENDAR_BYTES + 1)
+        except OSError as exc:
+            raise CalendarError(f"cannot read calendar {source}: {exc.strerror}") from exc
+    if len(data) > MAX_CALENDAR_BYTES:
+        raise CalendarError(f"calendar {source} is larger than {MAX_CALENDAR_BYTES >> 20} MiB")
+    return data
+
+
+def _unfold(text: str) -> list[tuple[int, str]]:
+    """RFC 5545 §3.1 unfolding: (first physical line number, logical content line), blank lines dropped."""
+    lines: list[tuple[int, str]] = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if raw[:1] in (" ", "\t") and lines:
+            first, content = lines[-1]
+            lines[-1] = (first, content + raw[1:])
+        elif raw.strip():
+            lines.append((number, raw))
+    return lines
+
+
+def _name(line: str) -> str:
+    return re.split(r"[;:]", line, maxsplit=1)[0].upper()
+
+
+@dataclass
+class _Block:
+    line: int
+    lines: list[str]
+
+
+def _split(lines: list[tuple[int, str]], source: str) -> tuple[list[str], list[_Block], list[CalendarProblem]]:
+    """Split a calendar into its top-level lines and VTIMEZONE blocks (kept as-is) and its VEVENT blocks."""
+    if not lines or lines[0][1].strip().upper() != "BEGIN:VCALENDAR":
+        raise CalendarError(f"{source} is not an iCalendar file (it must start with BEGIN:VCALENDAR)")
+    keep: list[str] = []
+    events: list[_Block] = []
+    problems: list[CalendarProblem] = []
+    stack: list[str] = []
+    current: _Block | None = None
+    for number, line in lines:
+        name = _name(line)
+        value = line.split(":", 1)[1].strip().upper() if ":" in line else ""
+        if name == "BEGIN":
+            stack.append(value)
+        if current is not None:
+            current.lines.append(line)
+        elif name == "BEGIN" and value == "VEVENT" and len(stack) == 2:
+            current = _Block(number, [line])
+        else:
+            keep.append(line)
+        if name == "END":
+            if not stack or stack[-1] != value:
+                if current is not None:
+                    # The broken event is dropped as a whole, reported where it begins.
+                    problems.append(CalendarProblem(source, current.line, f"event is not closed by END:VEVENT "
+                                                    f"(line {number} has END:{value})"))
+                    current = None
+                else:
+                    problems.append(CalendarProblem(source, number, f"END:{value} does not close "
+                                                    f"{'BEGIN:' + stack[-1] if stack else 'anything'}"))
+                if value in stack:
+                    while stack and stack.pop() != value:
+                        pass
+                continue
+            stack.pop()
+            if value == "VEVENT" and current is not None and len(stack) == 1:
+                events.append(current)
+                current = None
+    if current is not None:
+        problems.append(CalendarProblem(source, current.line, "event is not closed by END:VEVENT"))
+    return keep, events, problems
+
+
+def _frame(keep: list[str], body: list[str]) -> str:
+    """A complete calendar: the top-level lines (properties, VTIMEZONEs) around ``body``."""
+    head = [line for line in keep if _name(line) != "END" or not line.upper().startswith("END:VCALENDAR")]
+    return "\r\n".join(head + body + ["END:VCALENDAR", ""])
+
+
+_REQUIRED_CHECKS = ("DTSTART",)
+
+
+def _check_event(event: icalendar.Event) -> str | None:
+    """Why this parsed event cannot be scheduled, or None."""
+    for prop in _REQUIRED_CHECKS:
+        if prop not in event:
+            return f"event has no {prop}"
+    try:
+        start = event.decoded("DTSTART")
+        if "DTEND" in event:
+            end = event.decoded("DTEND")
+            if type(end) is not type(start):
+                return "DTSTART and DTEND are of different kinds (date vs date-time)"
+        if "RRULE" in event:
+            rrule = event.get("RRULE")
+            if rrule is None or not rrule.get("FREQ"):
+                return "RRULE without FREQ"
+    except (ValueError, TypeError, KeyError) as exc:
+        return f"unreadable date: {exc}"
+    if not isinstance(start, (dt.date, dt.datetime)):
+        return "DTSTART is not a date or date-time"
+    return None
+
+
+def _summary(event: icalendar.Event) -> str:
+    return str(event.get("SUMMARY", "")).strip()
+
+
+def _categories(event: icalendar.Event) -> tuple[str, ...]:
+    value = event.get("CATEGORIES")
+    if value is None:
+        return ()
+    items = value if isinstance(value, list) else [value]
+    cats: list[str] = []
+    for item in items:
+        cats.extend(str(c).strip() for c in getattr(item, "cats", [item]))
+    return tuple(c for c in cats if c)
+
+
+def _as_utc(value: dt.date | dt.datetime, local: ZoneInfo, allday_start: dt.time) -> tuple[dt.datetime, bool]:
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None:  # floating time: the user's wall clock wherever they are
+            value = value.replace(tzinfo=local)
+        return value.astimezone(dt.timezone.utc), False
+    return dt.datetime.combine(value, allday_start, tzinfo=local).astimezone(dt.timezone.utc), True
+
+
+def occurrences(data: bytes, source: str, start: dt.datetime, end: dt.datetime, *,
+                local: ZoneInfo | None = None, allday_start: dt.time = dt.time(8, 0)) -> CalendarRead:
+    """Every occurrence of every usable event in ``data`` that starts in [start, end) (aware datetimes).
+
+    Broken events are reported in `CalendarRead.problems` (with their line numbers) and left out.
+    Raises CalendarError only if ``data`` is not an iCalendar file at all.
+    """
+    local = local or _local_zone()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise CalendarError(f"{source} is not UTF-8 text: {exc}") from exc
+    keep, blocks, problems = _split(_unfold(text), source)
+    try:
+        skeleton = icalendar.Calendar.from_ical(_frame(keep, []))
+    except ValueError as exc:
+        raise CalendarError(f"{source}: unreadable calendar properties or time zones: {exc}") from exc
+    good = icalendar.Calendar()
+    for key, value in skeleton.property_items(recursive=False):
+        if key not in ("BEGIN", "END"):
+            good.add(key, value)
+    for tz in skeleton.walk("VTIMEZONE"):
+        good.add_component(tz)
+    for block in blocks:
+        try:
+            parsed = icalendar.Calendar.from_ical(_frame(keep, block.lines))
+            events = parsed.walk("VEVENT")
+            why = _check_event(events[0]) if events else "no event found"
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            why = f"unreadable event: {exc}"
+            events = []
+        if why is not None:
+            summary = next((line.split(":", 1)[1] for line in block.lines if _name(line) == "SUMMARY"), "")
+            label = f" {summary.strip()!r}" if summary else ""
+            problems.append(CalendarProblem(source, block.line, f"event{label} skipped: {why}"))
+            continue
+        good.add_component(events[0])
+    found: list[Occurrence] = []
+    window_start, window_end = start.astimezone(local), end.astimezone(local)
+    try:
+        expanded = recurring_ical_events.of(good).between(window_start, window_end)
+    except Exception as exc:  # the library raises a variety of types for inconsistent recurrences
+        raise CalendarError(f"{source}: cannot expand recurring events: {exc}") from exc
+    for event in expanded:
+        if str(event.get("STATUS", "")).upper() == "CANCELLED":
+            continue
+        begin, all_day = _as_utc(event.decoded("DTSTART"), local, allday_start)
+        if "DTEND" in event:
+            finish, _ = _as_utc(event.decoded("DTEND"), local, allday_start)
+        elif "DURATION" in event:
+            finish = begin + event.decoded("DURATION")
+        else:
+            finish = begin + (dt.timedelta(days=1) if all_day else dt.timedelta(0))
+        if not (start <= begin < end):
+            continue
+        found.append(Occurrence(uid=str(event.get("UID", "")) or f"{source}:{begin.isoformat()}",
+                                summary=_summary(event), location=str(event.get("LOCATION", "")).strip(),
+                                categories=_categories(event), start=begin, end=max(finish, begin),
+                                all_day=all_day, source=source))
+    found.sort(key=lambda o: (o.start, o.uid))
+    return CalendarRead(found, problems)
+
+
+def _local_zone() -> ZoneInfo:
+    """The machine's time zone (TZ, then /etc/localtime), UTC if none is configured."""
+    import os
+
+    name = os.environ.get("TZ", "").lstrip(":")
+    if not name:
+        try:
+            target = Path("/etc/localtime").resolve()
+            parts = target.parts
+            if "zoneinfo" in parts:
+                name = "/".join(parts[parts.index("zoneinfo") + 1:])
+        except OSError:
+            name = ""
+    try:
+        return ZoneInfo(name or "UTC")
+    except (KeyError, ValueError):
+        return ZoneInfo("UTC")
