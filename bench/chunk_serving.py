@@ -19,6 +19,7 @@ stays on 127.0.0.1 and every run is bounded by its request count.
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime
 import hashlib
 import json
@@ -87,10 +88,41 @@ def h2load(base: str, uris: Path, requests: int, connections: int, streams: int,
             "protocol": protocol.group(1) if protocol else "?"}
 
 
+def curl_parallel(base: str, tags: list[str], requests: int, parallel: int, token: str | None,
+                  cacert: Path, work: Path) -> dict:
+    """Fetch ``requests`` chunks with one curl process (libcurl multi, HTTP/2, ``parallel`` transfers at once),
+    following redirects: the client side of the presigned-URL path, which h2load cannot follow."""
+    config = work / f"curl-{abs(hash(base))}.cfg"
+    config.write_text("".join(f'url = "{base}/v1/chunks/{tags[i % len(tags)]}"\noutput = "/dev/null"\n'
+                              for i in range(requests)))
+    # The server's self-signed certificate is no CA, so verify it the way vulpes does: by its pinned key.
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    spki = x509.load_pem_x509_certificate(cacert.read_bytes()).public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    pin = "sha256//" + base64.b64encode(hashlib.sha256(spki).digest()).decode()
+    cmd = ["curl", "--silent", "--show-error", "--parallel", "--parallel-immediate", "--parallel-max", str(parallel),
+           "--http2", "--location", "--insecure", "--pinnedpubkey", pin, "--write-out", "%{http_code}\n",
+           "--config", str(config)]
+    if token:
+        cmd += ["--header", f"Authorization: Bearer {token}"]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    seconds = time.monotonic() - started
+    codes = proc.stdout.split()
+    if proc.returncode != 0 or len(codes) != requests or set(codes) != {"200"}:
+        raise SystemExit(f"chunk_serving: curl did not fetch every chunk (exit {proc.returncode}, "
+                         f"codes {sorted(set(codes))}): {proc.stderr.strip()[:500]}")
+    return {"req_s": requests / seconds, "mb_s": requests * (CHUNK_SIZE + 28) / seconds / 1e6,
+            "protocol": "h2 (curl)"}
+
+
 class IsrServer:
     """isr-server on a free port with one serving mode; a user 'bench' and its token."""
 
     def __init__(self, work: Path, store: dict, serving: str, workers: int) -> None:
+        self.serving = serving
         self.dir = work / f"isr-{serving}-{store['store.backend']}"
         self.dir.mkdir()
         settings = {"server.listen": "127.0.0.1:0", "server.workers": workers, "server.data_dir": str(self.dir),
@@ -218,6 +250,10 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2, help="worker processes of isr-server and nginx")
     parser.add_argument("--s3", action="store_true", help="also measure chunks in versitygw proxied by isr-server")
+    parser.add_argument("--redirect", action="store_true",
+                        help="with --s3: also measure the presigned-redirect path, with curl (which follows "
+                             "redirects) against isr-server and nginx alike")
+    parser.add_argument("--curl-parallel", type=int, default=64, help="concurrent transfers of the curl client")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     for tool in ("h2load", "nginx"):
@@ -243,6 +279,9 @@ def main() -> int:
             server = IsrServer(work, s3, "stream", args.workers)
             started.append(server)
             targets.append(("isr-server s3-stream", server))
+            if args.redirect:
+                redirect = IsrServer(work, s3, "redirect", args.workers)
+                started.append(redirect)
         first = started[0]
         nginx = Nginx(work, store_root, first.cert, first.key, args.workers)
         started.append(nginx)
@@ -252,6 +291,16 @@ def main() -> int:
             for name, target in targets:  # interleaved, so drift in the machine hits every path alike
                 token = getattr(target, "token", None)
                 results[name].append(h2load(target.url, uris, args.requests, args.connections, args.streams, token))
+        curl_results: dict[str, list[dict]] = {}
+        if args.s3 and args.redirect:
+            curl_targets = [("isr-server s3-redirect (curl)", redirect), ("isr-server sendfile (curl)", targets[0][1]),
+                            ("nginx (curl)", nginx)]
+            curl_results = {name: [] for name, _ in curl_targets}
+            for trial in range(args.trials):
+                for name, target in curl_targets:
+                    curl_results[name].append(curl_parallel(target.url, tags, args.requests, args.curl_parallel,
+                                                            getattr(target, "token", None),
+                                                            getattr(target, "cert", first.cert), work))
         nginx_rps = statistics.median(r["req_s"] for r in results["nginx"])
         rows = []
         for name, runs in results.items():
@@ -259,14 +308,22 @@ def main() -> int:
             mbs = statistics.median(r["mb_s"] for r in runs)
             rows.append({"path": name, "req_s": round(rps), "mb_s": round(mbs, 1), "vs_nginx": round(rps / nginx_rps, 2),
                          "protocol": runs[0]["protocol"], "trials": [round(r["req_s"]) for r in runs]})
+        if curl_results:
+            curl_nginx = statistics.median(r["req_s"] for r in curl_results["nginx (curl)"])
+            for name, runs in curl_results.items():
+                rps = statistics.median(r["req_s"] for r in runs)
+                rows.append({"path": name, "req_s": round(rps),
+                             "mb_s": round(statistics.median(r["mb_s"] for r in runs), 1),
+                             "vs_nginx": round(rps / curl_nginx, 2), "protocol": runs[0]["protocol"],
+                             "trials": [round(r["req_s"]) for r in runs]})
         header = (f"chunk GET, {CHUNK_SIZE // 1024} KiB objects, TLS + HTTP/2, {args.connections} connections x "
                   f"{args.streams} streams, {args.requests} requests per trial, median of {args.trials}, "
                   f"{args.workers} server workers, {os.cpu_count()} cores, {platform.node()}, "
                   f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}Z")
         print(header)
-        print(f"{'path':<24} {'req/s':>8} {'MB/s':>8} {'vs nginx':>9}  trials (req/s)")
+        print(f"{'path':<32} {'req/s':>8} {'MB/s':>8} {'vs nginx':>9}  trials (req/s)")
         for row in rows:
-            print(f"{row['path']:<24} {row['req_s']:>8} {row['mb_s']:>8} {row['vs_nginx']:>9}  {row['trials']}")
+            print(f"{row['path']:<32} {row['req_s']:>8} {row['mb_s']:>8} {row['vs_nginx']:>9}  {row['trials']}")
         if args.json:
             Path(args.json).write_text(json.dumps({"setup": header, "results": rows}, indent=2))
     finally:
