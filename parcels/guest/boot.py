@@ -48,6 +48,9 @@ class BootedGuest:
     boot_seconds: float
     #: The guest's own uptime when it printed the ready marker.
     guest_uptime: float
+    #: Wall-clock time (``time.time()``) just before the guest's CPUs were started: lets a caller line up
+    #: host-side records, such as QEMU trace-event logs, with the guest's first instruction.
+    started_wall: float = 0.0
 
 
 @contextlib.contextmanager
@@ -65,11 +68,13 @@ def booted_guest(artifacts: GuestArtifacts, disk: Path, *, run_dir: Path | None 
         vm.launch(paused=True)
         console = GuestConsole(vm.serial, log_path=run_dir / f"{name}.console.log" if run_dir else None,
                                name=name)
+        started_wall = time.time()
         vm.cont()
         uptime = console.wait_ready(ready_timeout)
         boot_seconds = time.monotonic() - started
         log.info("%s ready after %.1f s (guest uptime %.1f s)", name, boot_seconds, uptime)
-        yield BootedGuest(vm=vm, console=console, boot_seconds=boot_seconds, guest_uptime=uptime)
+        yield BootedGuest(vm=vm, console=console, boot_seconds=boot_seconds, guest_uptime=uptime,
+                          started_wall=started_wall)
     finally:
         try:
             vm.shutdown()

@@ -34,6 +34,10 @@ FILES_DIR = PACKAGE_DIR / "files"
 #: The sources whose content decides what gets built (console.py and boot.py only use the artifacts).
 BUILDER_SOURCES = ("build.py", "debian.py", "kernel.py", "initramfs.py", "archive.py", "disk.py", "files")
 
+#: Scripts copied from files/ to /data/workload/ on the data disk: the test workload (run.sh) and the
+#: workloads whose block traces tools/chunksim studies (office.sh, rsd.sh; see tools/chunksim/capture.py).
+WORKLOAD_SCRIPTS = ("run.sh", "office.sh", "rsd.sh")
+
 KERNEL_METAPACKAGE = "linux-image-cloud-amd64"
 BUSYBOX_PACKAGE = "busybox-static"
 PYTHON_LIB = "usr/lib/python3.11"
@@ -239,8 +243,9 @@ def _build_entry(spec: Variant, packages: dict[str, debian.Package], key: str, e
         workload = content / "workload"
         workload.mkdir(parents=True)
         shutil.copyfile(out / "source.tar.gz", workload / "source.tar.gz")
-        shutil.copyfile(FILES_DIR / "run.sh", workload / "run.sh")
-        os.chmod(workload / "run.sh", 0o755)
+        for script in WORKLOAD_SCRIPTS:
+            shutil.copyfile(FILES_DIR / script, workload / script)
+            os.chmod(workload / script, 0o755)
         (workload / "config").write_text(
             f"# written by the test guest builder (variant {spec.name})\n"
             f"ARCHIVE=/data/workload/source.tar.gz\nNEW_FILES={spec.new_files}\nNEW_FILE_KIB={spec.new_file_kib}\n")

@@ -32,6 +32,8 @@ _KERNEL_DEATH = re.compile(rb"Kernel panic - not syncing[^\r\n]*")
 _WORKLOAD = re.compile(rb"ISR-WORKLOAD (ok|fail) ([^\r\n]*)")
 #: How much longer than the guest-side limit the host waits for a command's end marker.
 _GRACE = 15.0
+#: How often a request the agent did not understand is sent again.
+_REQUEST_ATTEMPTS = 3
 _TRANSCRIPT_TAIL = 3000
 
 
@@ -170,10 +172,24 @@ class GuestConsole:
             payload = base64.b64encode(command.encode()).decode()
             limit = max(1, math.ceil(timeout))
             log.debug("%s: run [%s] %s", self.name, request_id, command)
-            self.send_line(f"ISR-RUN {request_id} {limit} {payload}")
             rid = re.escape(request_id.encode())
-            begin = self.wait_for(re.compile(rb"ISR-BEGIN " + rid + rb"\r?\n"), timeout + _GRACE,
-                                  what=f"start of command {command!r}")
+            started = re.compile(rb"ISR-BEGIN " + rid + rb"\r?\n|ISR-AGENT unknown request: [^\n]*\n")
+            for attempt in range(_REQUEST_ATTEMPTS):
+                with self._changed:
+                    # Whatever arrived since the last reply is noise (kernel messages): a stale complaint
+                    # from the agent there must not be taken as the answer to this request.
+                    self._cursor = len(self._buffer)
+                self.send_line(f"ISR-RUN {request_id} {limit} {payload}")
+                begin = self.wait_for(started, timeout + _GRACE, what=f"start of command {command!r}")
+                if begin.group().startswith(b"ISR-BEGIN"):
+                    break
+                # The agent did not understand the line (seen under heavy host load, when the serial line
+                # lost the start of a request): the command did not run, so sending it again is safe.
+                log.warning("%s: the agent garbled request %s (attempt %d): %r", self.name, request_id,
+                            attempt + 1, begin.group())
+            else:
+                raise GuestConsoleError(f"{self.name}: the agent did not understand command {command!r} "
+                                        f"{_REQUEST_ATTEMPTS} times\n{self.tail()}")
             end = self.wait_for(re.compile(rb"\nISR-END " + rid + rb" (\d+)\r?\n"), timeout + _GRACE,
                                 what=f"end of command {command!r}")
             with self._changed:
