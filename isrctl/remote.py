@@ -298,6 +298,15 @@ class Remote:
     def renew(self, parcel: str, nonce: str) -> dict[str, Any]:
         return self._json("POST", f"/v1/parcels/{parcel}/lock/renew", nonce=nonce)
 
+    def report_dirty(self, parcel: str, nonce: str, dirty_chunks: int, dirty_bytes: int,
+                     reported: float | None = None) -> dict[str, Any]:
+        """Renew the lock and tell the server how much this site has changed but not yet committed
+        (shown to the owner on the web pages before they release the lock from elsewhere)."""
+        body: dict[str, Any] = {"dirty_chunks": dirty_chunks, "dirty_bytes": dirty_bytes}
+        if reported is not None:
+            body["reported"] = reported
+        return self._json("POST", f"/v1/parcels/{parcel}/lock/renew", json_body=body, nonce=nonce)
+
     def release(self, parcel: str, nonce: str) -> None:
         self.request("DELETE", f"/v1/parcels/{parcel}/lock", nonce=nonce)
 
@@ -331,3 +340,31 @@ class Remote:
         except RemoteNotFound:
             return False
         return True
+
+
+def fetch_certificate(url: str, timeout: float = 10.0) -> bytes:
+    """The DER certificate the server at ``url`` presents in the TLS handshake.
+
+    Nothing is verified here and nothing is sent: the caller compares the certificate's fingerprint with
+    the one it was given (as `isr login` does) before trusting it. Raises RemoteUnreachable if no TLS
+    connection can be made.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme != "https" or not parts.hostname:
+        raise RemoteError(f"the server URL must look like https://HOST:PORT, got {url!r}")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 443), timeout=timeout) as raw:
+            with context.wrap_socket(raw, server_hostname=parts.hostname) as tls:
+                der = tls.getpeercert(binary_form=True)
+    except (OSError, ssl.SSLError) as exc:
+        raise RemoteUnreachable(f"cannot connect to {url}: {exc}") from None
+    if not der:
+        raise RemoteUnreachable(f"{url} presented no certificate")
+    return der

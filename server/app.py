@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -27,7 +28,7 @@ from . import auth, names
 from .config import ENV_CONFIG, MAX_CHUNK_OBJECT, Config
 from .errors import (ApiError, BadRequest, Conflict, Forbidden, MethodNotAllowed, NotFound, StorageError,
                      TooLarge, Unauthorized, Unavailable, Unprocessable)
-from .meta import ParcelInfo, TokenInfo, open_meta
+from .meta import LockInfo, ParcelInfo, TokenInfo, open_meta
 from .meta.sql import SqlMeta
 from .ops import publisher
 from .store import ObjectStore, chunk_key, envelope_key, open_store, staging_prefix, version_prefix
@@ -185,6 +186,9 @@ def _routes() -> list[Route]:
 
 
 ROUTES = _routes()
+#: Paths of the API (``/v1/…``, and any other ``/v<n>`` so that unknown API versions get a JSON 404);
+#: every other path belongs to the web pages (`server.web`).
+API_PATH = re.compile(r"/v[0-9]+(/.*)?")
 
 
 class IsrApp:
@@ -200,6 +204,9 @@ class IsrApp:
         self.token_cache: dict[str, tuple[float, TokenInfo]] = {}
         self.token_cache_seconds = config["server.token_cache_seconds"]
         self._opening: asyncio.Lock | None = None
+        from .web import WebPages  # the web pages use this module's Request and Response
+
+        self.web = WebPages(self)
 
     # --- plumbing ---------------------------------------------------------------------------------
 
@@ -290,6 +297,8 @@ class IsrApp:
                 len(request.path) == 75:
             request.token = await self.authenticate(request, cached=True)
             return await self.h_get_chunk(request, request.path[11:])
+        if not API_PATH.fullmatch(request.path):
+            return await self.web.handle(request)
         path_matched = False
         for route in ROUTES:
             match = route.pattern.fullmatch(request.path)
@@ -342,8 +351,10 @@ class IsrApp:
             raise Forbidden("this parcel belongs to another user")
         return parcel
 
-    def _audit_line(self, request: Request, action: str, parcel: str, **detail: Any) -> None:
-        actor = request.token.user if request.token else "-"
+    def _audit_line(self, request: Request, action: str, parcel: str, actor: str | None = None,
+                    **detail: Any) -> None:
+        if actor is None:
+            actor = request.token.user if request.token else "-"
         audit_log.info("%s %s parcel=%s remote=%s %s", actor, action, parcel, request.remote,
                        json.dumps(detail, sort_keys=True))
 
@@ -574,10 +585,14 @@ class IsrApp:
     async def h_renew(self, request: Request, parcel_text: str) -> Response:
         parcel = await self.parcel(request, parcel_text)
         nonce_hash = auth.secret_hash(request.lock_nonce())
+        dirty = _dirty_report(await request.body(64 * 1024))
         assert self.meta is not None and request.token is not None
         lock = await self.run(self.meta.renew_lock, parcel.id, nonce_hash, self.config["server.lock_lease_seconds"],
-                              request.token.user, request.remote)
-        self._audit_line(request, "lock.renew", parcel.id)
+                              request.token.user, request.remote, dirty)
+        if dirty is None:
+            self._audit_line(request, "lock.renew", parcel.id)
+        else:
+            self._audit_line(request, "lock.renew", parcel.id, dirty_chunks=dirty[0], dirty_bytes=dirty[1])
         return Response(json={"lock": lock.to_json()})
 
     async def h_release(self, request: Request, parcel_text: str) -> Response:
@@ -601,11 +616,20 @@ class IsrApp:
         if not request.token.admin and not (is_owner and (force or parcel.lock.expired())):
             raise Conflict("breaking a lock that has not expired needs \"force\": true", code="force_required",
                            holder=parcel.lock.to_json())
-        old = await self.run(self.meta.break_lock, parcel.id, request.token.user, request.remote,
-                             reason or ("admin" if not is_owner else "force"))
-        await self.run(self.store.delete_prefix, staging_prefix(parcel.id, old.lock_id))
-        self._audit_line(request, "lock.break", parcel.id, holder=old.to_json(), reason=reason)
+        old = await self.break_parcel_lock(request, parcel.id, request.token.user,
+                                           reason or ("admin" if not is_owner else "force"))
         return Response(json={"broken": old.to_json()})
+
+    async def break_parcel_lock(self, request: Request, parcel: str, actor: str, reason: str,
+                                expect_lock_id: str | None = None) -> LockInfo:
+        """Break a parcel's lock and drop its staging area, audited. The API's break and the web page's
+        release both come here, so either way the old holder's next commit is refused (``lock_lost``).
+        The caller has checked that `actor` may do it."""
+        assert self.meta is not None and self.store is not None
+        old = await self.run(self.meta.break_lock, parcel, actor, request.remote, reason, expect_lock_id)
+        await self.run(self.store.delete_prefix, staging_prefix(parcel, old.lock_id))
+        self._audit_line(request, "lock.break", parcel, actor=actor, holder=old.to_json(), reason=reason)
+        return old
 
     # --- handlers: chunks -------------------------------------------------------------------------
 
@@ -687,6 +711,32 @@ def _name_list(value: object, what: str) -> list[str]:
     if len(set(out)) != len(out):
         raise BadRequest(f"{what} names a blob twice", code="bad_blobs")
     return out
+
+
+def _dirty_report(body: bytes) -> tuple[int, int, float] | None:
+    """The optional body of a lock renew: the holder's report of changes it has not committed yet,
+    ``{"dirty_chunks": n, "dirty_bytes": b, "reported": t}`` (`reported` defaults to now)."""
+    if not body.strip():
+        return None
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON: {e}", code="bad_json") from None
+    if not isinstance(value, dict):
+        raise BadRequest("the body must be a JSON object", code="bad_json")
+    if not value:
+        return None
+    counts = []
+    for name in ("dirty_chunks", "dirty_bytes"):
+        number = value.get(name)
+        if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < 2**62:
+            raise BadRequest(f"{name} must be a non-negative integer", code=f"bad_{name}")
+        counts.append(number)
+    reported = value.get("reported", time.time())
+    if isinstance(reported, bool) or not isinstance(reported, (int, float)) or not math.isfinite(reported) \
+            or reported < 0:
+        raise BadRequest("reported must be a Unix time in seconds", code="bad_reported")
+    return counts[0], counts[1], float(reported)
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:

@@ -53,6 +53,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("server", "token_ttl_seconds", int, 30 * 86400, "lifetime of a bearer token", minimum=60),
     Setting("server", "token_cache_seconds", int, 5,
             "how long a worker trusts a checked token for chunk reads (0: check every request)", minimum=0),
+    Setting("server", "web_session_seconds", int, 12 * 3600,
+            "lifetime of a web page sign-in (the browser session cookie)", minimum=60),
     Setting("server", "lock_lease_seconds", int, 0,
             "lock lease; a lock not renewed for this long is reported expired (0: locks never expire)", minimum=0),
     Setting("server", "chunk_serving", str, "auto",

@@ -356,3 +356,34 @@ def test_plain_http_is_not_served(server_env: ServerEnv) -> None:
     url = server_env.server.url.replace("https://", "http://")
     with pytest.raises(httpx.HTTPError):
         httpx.get(url + "/v1/health", timeout=5)
+
+
+def test_lock_holder_reports_unsynced_changes(server_env: ServerEnv) -> None:
+    parcel = server_env.new_parcel("alice")
+    with server_env.client("alice") as site, server_env.client("alice") as elsewhere:
+        first = site.acquire(parcel, host="office-pc", site="office")
+        assert first["lock"]["dirty"] is None
+        reply = site.report_dirty(parcel, first["nonce"], 12, 1572864, reported=1795000000.5)
+        assert reply["lock"]["dirty"] == {"dirty_chunks": 12, "dirty_bytes": 1572864, "reported": 1795000000.5}
+        # A renew without a report keeps the last one; the owner sees it from another machine.
+        site.renew(parcel, first["nonce"])
+        assert elsewhere.lock_status(parcel)["lock"]["dirty"]["dirty_chunks"] == 12
+        now = time.time()
+        reply = site.report_dirty(parcel, first["nonce"], 0, 0)
+        assert reply["lock"]["dirty"]["dirty_chunks"] == 0 and abs(reply["lock"]["dirty"]["reported"] - now) < 60
+        for body in ({"dirty_chunks": -1, "dirty_bytes": 0}, {"dirty_chunks": 1}, {"dirty_chunks": 1.5, "dirty_bytes": 0},
+                     {"dirty_chunks": True, "dirty_bytes": 0}, {"dirty_chunks": 1, "dirty_bytes": 1, "reported": "now"}):
+            with pytest.raises(RequestRejected) as e:
+                site.request("POST", f"/v1/parcels/{parcel}/lock/renew", json_body=body, nonce=first["nonce"])
+            assert e.value.status == 400
+        # A report needs the lock: the holder's nonce, not just the owner's token.
+        with pytest.raises(LockLost):
+            elsewhere.report_dirty(parcel, "x" * 43, 1, 1)
+        # Whoever takes the lock over starts without a report.
+        second = elsewhere.acquire(parcel, host="laptop", site="home", force=True)
+        assert second["lock"]["dirty"] is None and second["replaced"]["dirty"]["dirty_chunks"] == 0
+        with pytest.raises(LockLost):
+            site.report_dirty(parcel, first["nonce"], 5, 5)
+        elsewhere.release(parcel, second["nonce"])
+    entries = server_env.admin_json("audit", "--parcel", parcel)
+    assert any(e["action"] == "lock.renew" and e["detail"].get("dirty_chunks") == 12 for e in entries)

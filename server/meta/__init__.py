@@ -7,7 +7,7 @@ same SQL (`server.meta.sql`); lock exclusivity is the database's job (a unique r
 from __future__ import annotations
 
 from ..config import Config
-from .base import AuditEntry, ChunkRow, LockInfo, MetaStore, ParcelInfo, TokenInfo, UserInfo, VersionInfo
+from .base import AuditEntry, ChunkRow, LockInfo, MetaStore, ParcelInfo, TokenInfo, UserInfo, VersionInfo, WebSession
 
 
 def open_meta(config: Config) -> MetaStore:
@@ -22,4 +22,4 @@ def open_meta(config: Config) -> MetaStore:
 
 
 __all__ = ["open_meta", "MetaStore", "UserInfo", "TokenInfo", "ParcelInfo", "VersionInfo", "LockInfo",
-           "AuditEntry", "ChunkRow"]
+           "AuditEntry", "ChunkRow", "WebSession"]

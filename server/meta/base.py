@@ -40,6 +40,10 @@ class LockInfo:
     expires: float | None
     version: int
     lock_id: str
+    # The holder's last report of changes not yet committed (lock renew with a report); None: never reported.
+    dirty_chunks: int | None = None
+    dirty_bytes: int | None = None
+    dirty_reported: float | None = None
 
     def expired(self, now: float | None = None) -> bool:
         """True if the lock has a lease that ran out (the lock is still held until someone breaks it)."""
@@ -48,8 +52,22 @@ class LockInfo:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("lock_id")
+        chunks, size, reported = out.pop("dirty_chunks"), out.pop("dirty_bytes"), out.pop("dirty_reported")
         out["expired"] = self.expired()
+        out["dirty"] = None if reported is None else {"dirty_chunks": chunks, "dirty_bytes": size, "reported": reported}
         return out
+
+
+@dataclass(frozen=True)
+class WebSession:
+    """A signed-in browser session of the web pages (the cookie itself is never stored, only its SHA-256)."""
+
+    user_id: int
+    user: str
+    admin: bool
+    csrf: str
+    created: float
+    expires: float
 
 
 @dataclass(frozen=True)

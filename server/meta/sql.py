@@ -23,12 +23,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from ..errors import BadRequest, Conflict, NotFound
-from .base import AuditEntry, ChunkRow, LockInfo, MetaStore, ParcelInfo, TokenInfo, UserInfo, VersionInfo
+from .base import (AuditEntry, ChunkRow, LockInfo, MetaStore, ParcelInfo, TokenInfo, UserInfo, VersionInfo,
+                   WebSession)
 
 BATCH = 500
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-_LOCK_COLUMNS = "l.parcel_id, u.name, l.host, l.site, l.acquired, l.renewed, l.expires, l.version, l.nonce_hash"
+_LOCK_COLUMNS = ("l.parcel_id, u.name, l.host, l.site, l.acquired, l.renewed, l.expires, l.version, l.nonce_hash, "
+                 "l.dirty_chunks, l.dirty_bytes, l.dirty_reported")
 _PARCEL_COLUMNS = "p.id, p.owner_id, o.name, p.name, p.created, p.current_version"
 _VERSION_COLUMNS = ("v.parcel_id, v.version, v.parent, v.created, u.name, v.host, v.site, v.blobs, "
                     "v.chunk_count, v.chunk_bytes")
@@ -60,7 +62,8 @@ def _lock(row: tuple[Any, ...] | None) -> LockInfo | None:
     if row is None:
         return None
     return LockInfo(parcel=row[0], user=row[1], host=row[2], site=row[3], acquired=row[4], renewed=row[5],
-                    expires=row[6], version=row[7], lock_id=row[8][:32])
+                    expires=row[6], version=row[7], lock_id=row[8][:32], dirty_chunks=row[9], dirty_bytes=row[10],
+                    dirty_reported=row[11])
 
 
 def _version(row: tuple[Any, ...]) -> VersionInfo:
@@ -124,13 +127,14 @@ class SqlMeta(MetaStore):
         return [UserInfo(r[0], r[1], bool(r[2]), r[3]) for r in rows]
 
     def set_password(self, name: str, pwhash: str) -> None:
-        """Change a password and revoke every token of the user."""
+        """Change a password and revoke every token and web session of the user."""
         with self._tx(write=True) as cur:
             row = cur.one("SELECT id FROM users WHERE name = ?", (name,))
             if row is None:
                 raise NotFound(f"no user {name}")
             cur.run("UPDATE users SET pwhash = ? WHERE id = ?", (pwhash, row[0]))
             cur.run("DELETE FROM tokens WHERE user_id = ?", (row[0],))
+            cur.run("DELETE FROM web_sessions WHERE user_id = ?", (row[0],))
             self._audit(cur, "isr-admin", "user.password", None, "", {"user": name})
 
     def set_admin(self, name: str, admin: bool) -> None:
@@ -150,6 +154,7 @@ class SqlMeta(MetaStore):
                 raise Conflict(f"user {name} still owns {owned[0]} parcel(s); remove them first",
                                code="user_has_parcels")
             cur.run("DELETE FROM tokens WHERE user_id = ?", (row[0],))
+            cur.run("DELETE FROM web_sessions WHERE user_id = ?", (row[0],))
             cur.run("DELETE FROM locks WHERE user_id = ?", (row[0],))
             cur.run("UPDATE versions SET user_id = NULL WHERE user_id = ?", (row[0],))
             cur.run("DELETE FROM users WHERE id = ?", (row[0],))
@@ -372,7 +377,8 @@ class SqlMeta(MetaStore):
                 assert old_hash is not None
                 replaced = cur.run(
                     "UPDATE locks SET nonce_hash = ?, user_id = ?, host = ?, site = ?, acquired = ?, renewed = ?, "
-                    "expires = ?, version = ? WHERE parcel_id = ? AND nonce_hash = ?",
+                    "expires = ?, version = ?, dirty_chunks = NULL, dirty_bytes = NULL, dirty_reported = NULL "
+                    "WHERE parcel_id = ? AND nonce_hash = ?",
                     (nonce_hash, user_id, host, site, now, now, expires, current, parcel, old_hash[0]))
                 if replaced != 1:
                     raise Conflict("the lock changed hands while breaking it; try again", code="locked")
@@ -383,13 +389,23 @@ class SqlMeta(MetaStore):
         assert lock is not None
         return lock, old
 
-    def renew_lock(self, parcel: str, nonce_hash: str, lease: int, actor: str, remote: str) -> LockInfo:
+    def renew_lock(self, parcel: str, nonce_hash: str, lease: int, actor: str, remote: str,
+                   dirty: tuple[int, int, float] | None = None) -> LockInfo:
+        """Extend the lease; with `dirty` = (chunks, bytes, reported) also record the holder's report of
+        changes it has not committed yet (a renew without a report keeps the previous one)."""
         now = time.time()
         with self._tx(write=True) as cur:
-            if cur.run("UPDATE locks SET renewed = ?, expires = ? WHERE parcel_id = ? AND nonce_hash = ?",
-                       (now, now + lease if lease else None, parcel, nonce_hash)) != 1:
+            if dirty is None:
+                changed = cur.run("UPDATE locks SET renewed = ?, expires = ? WHERE parcel_id = ? AND nonce_hash = ?",
+                                  (now, now + lease if lease else None, parcel, nonce_hash))
+            else:
+                changed = cur.run("UPDATE locks SET renewed = ?, expires = ?, dirty_chunks = ?, dirty_bytes = ?, "
+                                  "dirty_reported = ? WHERE parcel_id = ? AND nonce_hash = ?",
+                                  (now, now + lease if lease else None, *dirty, parcel, nonce_hash))
+            if changed != 1:
                 raise Conflict("you do not hold the lock of this parcel (it was released or broken)", code="lock_lost")
-            self._audit(cur, actor, "lock.renew", parcel, remote, {})
+            detail = {} if dirty is None else {"dirty_chunks": dirty[0], "dirty_bytes": dirty[1]}
+            self._audit(cur, actor, "lock.renew", parcel, remote, detail)
             lock = self._get_lock(cur, parcel)
         assert lock is not None
         return lock
@@ -403,11 +419,18 @@ class SqlMeta(MetaStore):
         assert lock is not None
         return lock
 
-    def break_lock(self, parcel: str, actor: str, remote: str, reason: str = "") -> LockInfo:
-        """Remove whoever holds the lock; return what was removed (`NotFound` if it was not locked)."""
+    def break_lock(self, parcel: str, actor: str, remote: str, reason: str = "",
+                   expect_lock_id: str | None = None) -> LockInfo:
+        """Remove whoever holds the lock; return what was removed (`NotFound` if it was not locked).
+
+        With `expect_lock_id` only that very lock is broken: if the lock changed hands since the caller
+        looked (`Conflict`, ``lock_changed``), nothing happens."""
         with self._tx(write=True) as cur:
             self._parcel_for_update(cur, parcel)
             lock = self._get_lock(cur, parcel)
+            if lock is not None and expect_lock_id is not None and lock.lock_id != expect_lock_id:
+                raise Conflict("the lock changed hands since you looked at it", code="lock_changed",
+                               holder=lock.to_json())
             if lock is None or cur.run("DELETE FROM locks WHERE parcel_id = ?", (parcel,)) != 1:
                 raise NotFound(f"parcel {parcel} is not locked", code="not_locked")
             self._audit(cur, actor, "lock.break", parcel, remote, {"reason": reason, "holder": lock.to_json()})
@@ -491,6 +514,63 @@ class SqlMeta(MetaStore):
                 count += cur.run(f"DELETE FROM chunks WHERE {cond}tag IN ({marks})", batch)
         return count
 
+    # --- web sessions and sign-in throttling ---------------------------------------------------------
+
+    def add_web_session(self, session_hash: str, user_id: int, csrf: str, ttl: int, remote: str) -> WebSession:
+        """Record a browser session (only the SHA-256 of its cookie) with its CSRF token."""
+        now = time.time()
+        with self._tx(write=True) as cur:
+            cur.run("DELETE FROM web_sessions WHERE expires < ?", (now,))
+            cur.run("INSERT INTO web_sessions (hash, user_id, csrf, created, expires, remote) VALUES (?, ?, ?, ?, ?, ?)",
+                    (session_hash, user_id, csrf, now, now + ttl, remote))
+            row = cur.one("SELECT name, admin FROM users WHERE id = ?", (user_id,))
+        assert row is not None
+        return WebSession(user_id, row[0], bool(row[1]), csrf, now, now + ttl)
+
+    def lookup_web_session(self, session_hash: str) -> WebSession | None:
+        """The unexpired session whose cookie has this hash, or None."""
+        with self._tx() as cur:
+            row = cur.one("SELECT s.user_id, u.name, u.admin, s.csrf, s.created, s.expires FROM web_sessions s "
+                          "JOIN users u ON u.id = s.user_id WHERE s.hash = ? AND s.expires > ?",
+                          (session_hash, time.time()))
+        if row is None:
+            return None
+        return WebSession(row[0], row[1], bool(row[2]), row[3], row[4], row[5])
+
+    def delete_web_session(self, session_hash: str) -> None:
+        with self._tx(write=True) as cur:
+            cur.run("DELETE FROM web_sessions WHERE hash = ?", (session_hash,))
+
+    def signin_wait(self, keys: Sequence[tuple[str, int]], window: float, base_delay: float) -> float:
+        """Seconds until a sign-in for these (key, limit) pairs may be tried again (0: now).
+
+        A key with `limit` or more failures, the last less than `window` seconds ago, must wait
+        `base_delay` seconds, doubled for every further failure, at most `window`."""
+        now = time.time()
+        wait = 0.0
+        with self._tx() as cur:
+            for key, limit in keys:
+                row = cur.one("SELECT failures, last_failure FROM signin_failures WHERE subject = ?", (key,))
+                if row is None or now - row[1] >= window or row[0] < limit:
+                    continue
+                delay = min(base_delay * 2 ** min(row[0] - limit, 30), window)
+                wait = max(wait, row[1] + delay - now)
+        return max(wait, 0.0)
+
+    def signin_failed(self, keys: Sequence[str], window: float) -> None:
+        """Count a failed sign-in against each key (a count older than `window` starts again)."""
+        now = time.time()
+        with self._tx(write=True) as cur:
+            cur.run("DELETE FROM signin_failures WHERE last_failure < ?", (now - window,))
+            for key in keys:
+                cur.run("INSERT INTO signin_failures (subject, failures, last_failure) VALUES (?, 1, ?) "
+                        "ON CONFLICT (subject) DO UPDATE SET failures = signin_failures.failures + 1, "
+                        "last_failure = excluded.last_failure", (key, now))
+
+    def signin_succeeded(self, key: str) -> None:
+        with self._tx(write=True) as cur:
+            cur.run("DELETE FROM signin_failures WHERE subject = ?", (key,))
+
     # --- audit ------------------------------------------------------------------------------------
 
     def audit(self, actor: str, action: str, parcel: str | None, remote: str, detail: dict[str, Any]) -> None:
@@ -498,11 +578,20 @@ class SqlMeta(MetaStore):
         with self._tx(write=True) as cur:
             self._audit(cur, actor, action, parcel, remote, detail)
 
-    def list_audit(self, parcel: str | None = None, limit: int = 100) -> list[AuditEntry]:
-        where, params = ("WHERE parcel = ?", (parcel, limit)) if parcel else ("", (limit,))
+    def list_audit(self, parcel: str | None = None, limit: int = 100, before: int | None = None) -> list[AuditEntry]:
+        """The newest `limit` entries (of one parcel), older than entry id `before` if given; oldest first."""
+        conditions: list[str] = []
+        params: list[Any] = []
+        if parcel:
+            conditions.append("parcel = ?")
+            params.append(parcel)
+        if before is not None:
+            conditions.append("id < ?")
+            params.append(before)
+        where = ("WHERE " + " AND ".join(conditions)) if conditions else ""
         with self._tx() as cur:
             rows = cur.all(f"SELECT id, at, actor, action, parcel, remote, detail FROM audit {where} "
-                           "ORDER BY id DESC LIMIT ?", params)
+                           "ORDER BY id DESC LIMIT ?", (*params, limit))
         return [AuditEntry(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6])) for r in reversed(rows)]
 
 
@@ -525,14 +614,43 @@ def schema(blob: str, serial: str) -> list[str]:
         "CREATE TABLE IF NOT EXISTS locks (parcel_id TEXT PRIMARY KEY REFERENCES parcels(id), "
         "nonce_hash TEXT NOT NULL, user_id BIGINT NOT NULL REFERENCES users(id), host TEXT NOT NULL, "
         "site TEXT NOT NULL, acquired DOUBLE PRECISION NOT NULL, renewed DOUBLE PRECISION NOT NULL, "
-        "expires DOUBLE PRECISION, version BIGINT NOT NULL)",
+        "expires DOUBLE PRECISION, version BIGINT NOT NULL, dirty_chunks BIGINT, dirty_bytes BIGINT, "
+        "dirty_reported DOUBLE PRECISION)",
         "CREATE TABLE IF NOT EXISTS chunks (tag TEXT PRIMARY KEY, size BIGINT NOT NULL, "
         "touched DOUBLE PRECISION NOT NULL, state INTEGER NOT NULL DEFAULT 0)",
         f"CREATE TABLE IF NOT EXISTS audit (id {serial}, at DOUBLE PRECISION NOT NULL, actor TEXT NOT NULL, "
         "action TEXT NOT NULL, parcel TEXT, remote TEXT NOT NULL, detail TEXT NOT NULL)",
         "CREATE INDEX IF NOT EXISTS audit_parcel ON audit (parcel, id)",
+        "CREATE TABLE IF NOT EXISTS web_sessions (hash TEXT PRIMARY KEY, user_id BIGINT NOT NULL REFERENCES users(id), "
+        "csrf TEXT NOT NULL, created DOUBLE PRECISION NOT NULL, expires DOUBLE PRECISION NOT NULL, remote TEXT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS signin_failures (subject TEXT PRIMARY KEY, failures BIGINT NOT NULL, "
+        "last_failure DOUBLE PRECISION NOT NULL)",
         "CREATE INDEX IF NOT EXISTS tokens_user ON tokens (user_id)",
     ]
+
+
+#: Statements that bring a database of schema version N-1 to version N (new tables need none: the
+#: schema's CREATE TABLE IF NOT EXISTS adds them).
+MIGRATIONS: dict[int, list[str]] = {
+    2: ["ALTER TABLE locks ADD COLUMN dirty_chunks BIGINT", "ALTER TABLE locks ADD COLUMN dirty_bytes BIGINT",
+        "ALTER TABLE locks ADD COLUMN dirty_reported DOUBLE PRECISION"],
+}
+
+
+def create_schema(cur: Cursor, blob: str, serial: str) -> None:
+    """Create the tables of a new database, or bring an older one up to `SCHEMA_VERSION` (inside the
+    caller's write transaction)."""
+    for statement in schema(blob, serial):
+        cur.run(statement)
+    cur.run("INSERT INTO schema_info (name, value) VALUES ('version', ?) ON CONFLICT (name) DO NOTHING",
+            (SCHEMA_VERSION,))
+    row = cur.one("SELECT value FROM schema_info WHERE name = 'version'")
+    assert row is not None
+    for version in range(row[0] + 1, SCHEMA_VERSION + 1):
+        for statement in MIGRATIONS.get(version, []):
+            cur.run(statement)
+    if row[0] < SCHEMA_VERSION:
+        cur.run("UPDATE schema_info SET value = ? WHERE name = 'version'", (SCHEMA_VERSION,))
 
 
 def check_json_list(value: object, what: str) -> list[Any]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StorageError
-from .sql import SCHEMA_VERSION, SqlMeta, schema
+from .sql import SqlMeta, create_schema
 
 BUSY_TIMEOUT_MS = 30000
 
@@ -44,10 +44,7 @@ class SqliteMeta(SqlMeta):
         except OSError as e:
             raise StorageError(f"cannot create {self.path.parent}: {e.strerror}") from None
         with self._tx(write=True) as cur:
-            for statement in schema("BLOB", "INTEGER PRIMARY KEY AUTOINCREMENT"):
-                cur.run(statement)
-            cur.run("INSERT INTO schema_info (name, value) VALUES ('version', ?) ON CONFLICT (name) DO NOTHING",
-                    (SCHEMA_VERSION,))
+            create_schema(cur, "BLOB", "INTEGER PRIMARY KEY AUTOINCREMENT")
 
     def _conn(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)

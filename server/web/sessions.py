@@ -1,0 +1,110 @@
+"""Browser sessions, CSRF protection and sign-in throttling for the web pages.
+
+- A session is a random secret in the cookie ``__Host-isr_session`` (``Secure; HttpOnly; SameSite=Strict;
+  Path=/``); the database keeps only its SHA-256, like API tokens, plus the session's CSRF token.
+- Every POST must come from a page of this server: its ``Origin`` (or, failing that, ``Referer``) must be
+  this server's own origin, and its form must carry the session's CSRF token (a synchronizer token). The
+  sign-in form, which has no session yet, carries the value of a second cookie, ``__Host-isr_signin``
+  (double submit), so another site cannot sign a browser in to an account of its choosing.
+- Failed sign-ins are counted in the database per user name and per client address, so the limit holds
+  across worker processes and servers (see `SIGNIN_LIMITS`).
+"""
+from __future__ import annotations
+
+import hmac
+import re
+import secrets
+import urllib.parse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..app import Request
+
+SESSION_COOKIE = "__Host-isr_session"
+SIGNIN_COOKIE = "__Host-isr_signin"
+SIGNIN_COOKIE_SECONDS = 3600
+
+#: (subject prefix, failures before sign-ins are delayed). After `limit` failures within
+#: `SIGNIN_WINDOW` seconds the next try must wait `SIGNIN_DELAY` seconds, doubled after each further
+#: failure, at most `SIGNIN_WINDOW`. The per-address limit is higher: many people may share one address.
+SIGNIN_LIMITS = (("user", 5), ("addr", 20))
+SIGNIN_WINDOW = 15 * 60
+SIGNIN_DELAY = 30.0
+
+
+_TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{16,128}")
+
+
+def new_secret() -> str:
+    """A new session secret or CSRF token: 32 random bytes, URL-safe (fits a cookie unquoted)."""
+    return secrets.token_urlsafe(32)
+
+
+def cookies(request: "Request") -> dict[str, str]:
+    """The request's cookies (the first of each name)."""
+    out: dict[str, str] = {}
+    for header in request.headers.get("cookie", "").split(";"):
+        name, sep, value = header.strip().partition("=")
+        if sep and name and name not in out:
+            out[name] = value.strip()
+    return out
+
+
+def set_cookie(name: str, value: str, max_age: int) -> tuple[bytes, bytes]:
+    """A ``Set-Cookie`` header for a ``__Host-`` cookie: Secure, HttpOnly, SameSite=Strict, Path=/."""
+    if not _TOKEN_RE.fullmatch(value):
+        raise ValueError(f"not a token for cookie {name}")  # only our own URL-safe tokens go into cookies
+    return (b"set-cookie",
+            f"{name}={value}; Path=/; Max-Age={max_age}; Secure; HttpOnly; SameSite=Strict".encode())
+
+
+def clear_cookie(name: str) -> tuple[bytes, bytes]:
+    return b"set-cookie", f"{name}=; Path=/; Max-Age=0; Secure; HttpOnly; SameSite=Strict".encode()
+
+
+def is_token(value: str | None) -> bool:
+    """True if `value` looks like a token we hand out (checked before it is hashed or looked up)."""
+    return value is not None and _TOKEN_RE.fullmatch(value) is not None
+
+
+def same_token(given: str | None, expected: str) -> bool:
+    """Constant-time comparison of a submitted token with the expected one."""
+    if not given or not expected:
+        return False
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def own_origin(request: "Request") -> str | None:
+    """This server's origin as the browser sees it: ``https://`` and the Host (or HTTP/2 :authority)."""
+    host = request.headers.get("host") or request.headers.get(":authority")
+    if not host:
+        return None
+    return "https://" + host.lower()
+
+
+def same_origin(request: "Request") -> bool:
+    """True if the request comes from a page of this server: by ``Origin``, or by ``Referer`` when a
+    browser sent no ``Origin``. A request with neither is refused."""
+    expected = own_origin(request)
+    if expected is None:
+        return False
+    origin = request.headers.get("origin")
+    if origin is not None:
+        return origin.lower() == expected
+    referer = request.headers.get("referer")
+    if not referer:
+        return False
+    parts = urllib.parse.urlsplit(referer)
+    return f"{parts.scheme}://{parts.netloc}".lower() == expected
+
+
+def signin_subjects(user: str | None, address: str) -> list[tuple[str, int]]:
+    """The (subject, failure limit) pairs a sign-in attempt counts against: the user name (None: not a
+    valid user name) and the client address."""
+    values = {"user": user or "?", "addr": address}
+    return [(f"{kind}:{values[kind]}", limit) for kind, limit in SIGNIN_LIMITS]
+
+
+def client_address(request: "Request") -> str:
+    client = request.scope.get("client")
+    return str(client[0]) if client else "-"

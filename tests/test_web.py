@@ -1,0 +1,368 @@
+"""The web pages of isr-server, checked from the server side: sessions and cookies, CSRF and origin checks,
+escaping, who may see and release what, and that a release from the web is the API's break.
+
+Runs against every backend set (the pages' SQL runs on sqlite and PostgreSQL) with plain HTTP requests
+over the server's real TLS. The real-browser walk-through is tests/test_web_browser.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sqlite3
+import urllib.parse
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from isrctl.remote import LockLost, _pinned_context
+from tests.server_fixtures import PASSWORDS, ServerEnv, postgres_dsn, s3_server, server_env  # noqa: F401
+
+pytestmark = pytest.mark.timeout(120)
+
+SESSION_COOKIE = "__Host-isr_session"
+SIGNIN_COOKIE = "__Host-isr_signin"
+HOSTILE = "<script>alert('x')</script>"
+HOSTILE_ATTR = '"><img src=x onerror=alert(1)>'
+
+
+class Web:
+    """A browser-like HTTP client for the pages: keeps cookies, sends the server's own Origin on POSTs
+    (as a browser does for a form of the same site) unless told otherwise."""
+
+    def __init__(self, env: ServerEnv) -> None:
+        self.url = env.server.url
+        self.http = httpx.Client(base_url=self.url, verify=_pinned_context(env.server.fingerprint), http2=True,
+                                 timeout=30, follow_redirects=False)
+
+    def __enter__(self) -> "Web":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.http.close()
+
+    def get(self, path: str) -> httpx.Response:
+        return self.http.get(path)
+
+    def post(self, path: str, data: dict[str, str], *, origin: str | None = "", referer: str | None = None
+             ) -> httpx.Response:
+        headers = {}
+        if origin is not None:
+            headers["Origin"] = origin or self.url
+        if referer is not None:
+            headers["Referer"] = referer
+        return self.http.post(path, data=data, headers=headers)
+
+    def sign_in(self, user: str, password: str | None = None) -> httpx.Response:
+        form = self.get("/signin")
+        assert form.status_code == 200
+        return self.post("/signin", {"user": user, "password": password or PASSWORDS[user],
+                                     "csrf": self.http.cookies[SIGNIN_COOKIE]})
+
+    def csrf(self, path: str = "/") -> str:
+        """The CSRF token of the signed-in session, read from a page's sign-out form."""
+        page = self.get(path)
+        assert page.status_code == 200, page.text
+        match = re.search(r'name="csrf" value="([^"]+)"', page.text)
+        assert match, page.text
+        return match.group(1)
+
+
+def locked_parcel(env: ServerEnv, owner: str = "alice", name: str | None = None, host: str = "office-pc",
+                  site: str = "office") -> tuple[str, str]:
+    """A parcel of `owner` whose lock is held through the API by a 'running site'; returns (parcel, nonce)."""
+    parcel = env.new_parcel(owner, name)
+    with env.client(owner) as client:
+        nonce = client.acquire(parcel, host=host, site=site)["nonce"]
+    return parcel, nonce
+
+
+def release_form(web: Web, parcel: str) -> dict[str, str]:
+    page = web.get(f"/parcels/{parcel}/release")
+    assert page.status_code == 200, page.text
+    fields = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', page.text.split('class="confirm"')[1]))
+    assert set(fields) == {"csrf", "lock"}, fields
+    return fields
+
+
+def test_signin_sets_strict_cookies_and_headers(server_env: ServerEnv) -> None:
+    with Web(server_env) as web:
+        form = web.get("/signin")
+        assert form.status_code == 200 and form.headers["content-type"] == "text/html; charset=utf-8"
+        csp = form.headers["content-security-policy"]
+        assert "default-src 'none'" in csp and "script-src" not in csp and "frame-ancestors 'none'" in csp
+        assert form.headers["x-frame-options"] == "DENY" and form.headers["x-content-type-options"] == "nosniff"
+        assert form.headers["cache-control"] == "no-store"
+        signed = web.sign_in("alice")
+        assert signed.status_code == 303 and signed.headers["location"] == "/"
+        cookies = [c for c in signed.headers.get_list("set-cookie") if c.startswith(SESSION_COOKIE + "=")]
+        assert len(cookies) == 1
+        flags = {part.strip().split("=")[0].lower() for part in cookies[0].split(";")[1:]}
+        assert {"secure", "httponly", "samesite", "path", "max-age"} <= flags and "domain" not in flags
+        assert "SameSite=Strict" in cookies[0] and "Path=/;" in cookies[0]
+        home = web.get("/")
+        assert home.status_code == 200 and "My parcels" in home.text and "Signed in as <strong>alice</strong>" in home.text
+        assert "<script" not in home.text.lower()  # the pages carry no script at all
+        css = web.get("/static/isr.css")
+        assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
+
+
+def test_pages_need_a_session(server_env: ServerEnv) -> None:
+    parcel, _ = locked_parcel(server_env)
+    with Web(server_env) as web:
+        for path in ("/", f"/parcels/{parcel}", f"/parcels/{parcel}/release", "/admin/users", "/admin/audit"):
+            response = web.get(path)
+            assert response.status_code == 303 and response.headers["location"] == "/signin", path
+        refused = web.post(f"/parcels/{parcel}/release", {"csrf": "x" * 43, "lock": "y" * 32})
+        assert refused.status_code == 403
+        forged = web.http.get("/", headers={"Cookie": f"{SESSION_COOKIE}={'A' * 43}"})
+        assert forged.status_code == 303
+    with server_env.client("alice") as alice:
+        assert alice.lock_status(parcel)["locked"]
+
+
+def test_wrong_password_and_signout(server_env: ServerEnv) -> None:
+    with Web(server_env) as web:
+        wrong = web.sign_in("alice", "not-her-password")
+        assert wrong.status_code == 401 and "Wrong user name or password" in wrong.text
+        assert not any(c.startswith(SESSION_COOKIE) for c in wrong.headers.get_list("set-cookie"))
+        assert web.sign_in("alice").status_code == 303
+        session = web.http.cookies[SESSION_COOKIE]
+        token = web.csrf()
+        out = web.post("/signout", {"csrf": token})
+        assert out.status_code == 303 and out.headers["location"] == "/signin"
+        # The old cookie is dead on the server, not just deleted in the browser.
+        replay = web.http.get("/", headers={"Cookie": f"{SESSION_COOKIE}={session}"})
+        assert replay.status_code == 303
+
+
+def test_signin_form_is_protected_too(server_env: ServerEnv) -> None:
+    with Web(server_env) as web:
+        web.get("/signin")
+        token = web.http.cookies[SIGNIN_COOKIE]
+        # Another site cannot post a sign-in (login CSRF): wrong origin, or no form token.
+        assert web.post("/signin", {"user": "alice", "password": PASSWORDS["alice"], "csrf": token},
+                        origin="https://evil.example").status_code == 403
+        no_token = web.post("/signin", {"user": "alice", "password": PASSWORDS["alice"]})
+        assert no_token.status_code == 403 and SESSION_COOKIE not in no_token.headers.get("set-cookie", "")
+        wrong_token = web.post("/signin", {"user": "alice", "password": PASSWORDS["alice"], "csrf": "z" * 43})
+        assert wrong_token.status_code == 403
+
+
+def test_release_needs_csrf_token_and_same_origin(server_env: ServerEnv) -> None:
+    parcel, nonce = locked_parcel(server_env)
+    with Web(server_env) as web, Web(server_env) as other:
+        assert web.sign_in("alice").status_code == 303
+        assert other.sign_in("alice").status_code == 303
+        fields = release_form(web, parcel)
+        path = f"/parcels/{parcel}/release"
+        attempts = [
+            ({"lock": fields["lock"]}, ""),                                  # no CSRF token
+            ({"lock": fields["lock"], "csrf": "A" * 43}, ""),                # a wrong one
+            ({"lock": fields["lock"], "csrf": other.csrf()}, ""),            # another session's
+            (fields, "https://evil.example"),                                # the right token from another site
+            (fields, "null"),                                                # an opaque origin
+            (fields, f"{web.url}.evil.example"),                             # a look-alike origin
+        ]
+        for data, origin in attempts:
+            refused = web.post(path, data, origin=origin)
+            assert refused.status_code == 403, (data, origin, refused.text)
+        # Neither Origin nor Referer: refused; a same-origin Referer alone is accepted (older browsers).
+        assert web.post(path, fields, origin=None).status_code == 403
+        assert web.post(path, fields, origin=None, referer="https://evil.example/x").status_code == 403
+        with server_env.client("alice") as alice:
+            assert alice.lock_status(parcel)["locked"], "a refused form must not have released the lock"
+        done = web.post(path, fields, origin=None, referer=f"{web.url}/parcels/{parcel}/release")
+        assert done.status_code == 303 and done.headers["location"] == f"/parcels/{parcel}?done=released"
+    with server_env.client("alice") as alice:
+        assert not alice.lock_status(parcel)["locked"]
+        with pytest.raises(LockLost):
+            alice.renew(parcel, nonce)
+
+
+def test_release_is_the_api_break_and_the_old_site_cannot_commit(server_env: ServerEnv) -> None:
+    parcel, nonce = locked_parcel(server_env, host="office-pc.example", site="office")
+    with server_env.client("alice") as office:
+        office.report_dirty(parcel, nonce, 7, 917504)
+        tag_data = os.urandom(4096)
+        tag = hashlib.sha256(tag_data).hexdigest()
+        office.put_chunk(tag, tag_data)
+        for name in ("manifest", "keyring.disk", "keyring.memory"):
+            office.put_blob(parcel, name, os.urandom(64), nonce)
+        with Web(server_env) as web:
+            web.sign_in("alice")
+            confirm = web.get(f"/parcels/{parcel}/release")
+            assert "will not be committable" in confirm.text and "office-pc.example" in confirm.text
+            assert "7 changed chunk(s), 896.0 KiB" in confirm.text
+            result = web.post(f"/parcels/{parcel}/release", release_form(web, parcel))
+            assert result.status_code == 303
+            after = web.get(result.headers["location"])
+            assert "The lock was released" in after.text and "not locked" in after.text
+        with pytest.raises(LockLost) as refused:
+            office.commit(parcel, nonce, 0, ["manifest", "keyring.disk", "keyring.memory"], [tag])
+        assert refused.value.status == 409 and refused.value.code == "lock_lost"
+    entries = server_env.admin_json("audit", "--parcel", parcel)
+    broken = [e for e in entries if e["action"] == "lock.break"]
+    assert len(broken) == 1 and broken[0]["actor"] == "alice"
+    assert broken[0]["detail"]["reason"] == "released on the web page"
+    assert broken[0]["detail"]["holder"]["host"] == "office-pc.example"
+
+
+def test_release_never_breaks_a_lock_that_changed_hands(server_env: ServerEnv) -> None:
+    parcel, nonce = locked_parcel(server_env, host="first-host")
+    with Web(server_env) as web:
+        web.sign_in("alice")
+        stale = release_form(web, parcel)
+        with server_env.client("alice") as client:
+            taken = client.acquire(parcel, host="second-host", site="home", force=True)
+            refused = web.post(f"/parcels/{parcel}/release", stale)
+            assert refused.status_code == 409 and "second-host" in refused.text
+            assert client.lock_status(parcel)["lock"]["host"] == "second-host"
+            client.renew(parcel, taken["nonce"])  # still held by the second site
+            client.release(parcel, taken["nonce"])
+        gone = web.post(f"/parcels/{parcel}/release", stale)
+        assert gone.status_code == 303 and gone.headers["location"].endswith("done=not-locked")
+
+
+def test_names_from_clients_are_escaped(server_env: ServerEnv) -> None:
+    parcel = server_env.new_parcel("alice", HOSTILE)
+    with server_env.client("alice") as client:
+        nonce = client.acquire(parcel, host=HOSTILE_ATTR, site=HOSTILE)["nonce"]
+        client.report_dirty(parcel, nonce, 1, 1)
+    with Web(server_env) as web, Web(server_env) as admin:
+        web.sign_in("alice")
+        admin.sign_in("root")
+        pages = [web.get("/"), web.get(f"/parcels/{parcel}"), web.get(f"/parcels/{parcel}/release"),
+                 admin.get("/admin/parcels"), admin.get(f"/admin/audit?parcel={parcel}"),
+                 admin.get("/admin/audit?parcel=" + urllib.parse.quote(f"alice/{HOSTILE}"))]
+        for page in pages:
+            assert page.status_code == 200, page.url
+            assert HOSTILE not in page.text and HOSTILE_ATTR not in page.text, page.url
+            assert "<script" not in page.text.lower() and "<img" not in page.text.lower(), page.url
+        assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in pages[0].text
+        assert "&quot;&gt;&lt;img src=x onerror=alert(1)&gt;" in pages[0].text
+        # A hostile value in the query string comes back escaped in the filter field.
+        echoed = admin.get("/admin/audit?parcel=" + urllib.parse.quote(HOSTILE_ATTR))
+        assert echoed.status_code in (400, 404) and HOSTILE_ATTR not in echoed.text
+    with server_env.client("alice") as client:
+        client.release(parcel, nonce)
+
+
+def test_users_see_and_release_only_their_own(server_env: ServerEnv) -> None:
+    parcel, _ = locked_parcel(server_env, owner="alice", name=f"alice-only-{uuid.uuid4().hex[:6]}")
+    with Web(server_env) as bob:
+        bob.sign_in("bob")
+        assert f"alice-only-" not in bob.get("/").text
+        assert bob.get(f"/parcels/{parcel}").status_code == 403
+        assert bob.get(f"/parcels/{parcel}/release").status_code == 403
+        token = bob.csrf()
+        refused = bob.post(f"/parcels/{parcel}/release", {"csrf": token, "lock": "0" * 32})
+        assert refused.status_code == 403
+        assert bob.get(f"/parcels/{uuid.uuid4()}").status_code == 404
+        assert bob.get("/parcels/not-a-uuid").status_code == 400
+        for path in ("/admin", "/admin/users", "/admin/parcels", "/admin/usage", "/admin/audit"):
+            assert bob.get(path).status_code == 403, path
+    with server_env.client("alice") as alice:
+        assert alice.lock_status(parcel)["locked"]
+
+
+def test_admin_pages(server_env: ServerEnv) -> None:
+    parcel, nonce = locked_parcel(server_env, owner="bob", name=f"bobs-{uuid.uuid4().hex[:6]}", host="lab-host")
+    with Web(server_env) as admin:
+        admin.sign_in("root")
+        assert admin.get("/admin").headers["location"] == "/admin/users"
+        users = admin.get("/admin/users").text
+        assert all(f"<td>{name}</td>" in users for name in PASSWORDS)
+        parcels = admin.get("/admin/parcels").text
+        assert parcel in parcels and "lab-host" in parcels
+        usage = admin.get("/admin/usage").text
+        assert "Bytes stored" in usage and "Deduplication ratio" in usage
+        audit = admin.get(f"/admin/audit?parcel={parcel}").text
+        assert "lock.acquire" in audit and "parcel.create" in audit
+        # An administrator may release anyone's lock, with the same confirmation.
+        admin_view = admin.get(f"/parcels/{parcel}")
+        assert admin_view.status_code == 200 and "owned by <strong>bob</strong>" in admin_view.text
+        assert admin.post(f"/parcels/{parcel}/release", release_form(admin, parcel)).status_code == 303
+        everything = admin.get("/admin/audit").text
+        assert "released on the web page" in everything
+    with server_env.client("bob") as bob, pytest.raises(LockLost):
+        bob.renew(parcel, nonce)
+
+
+def test_audit_paging(server_env: ServerEnv) -> None:
+    parcel = server_env.new_parcel("alice")
+    with server_env.client("alice") as client:
+        nonce = client.acquire(parcel, host="h")["nonce"]
+        for _ in range(60):
+            client.renew(parcel, nonce)
+        client.release(parcel, nonce)
+    with Web(server_env) as admin:
+        admin.sign_in("root")
+        first = admin.get(f"/admin/audit?parcel={parcel}").text
+        ids = [int(i) for i in re.findall(r'<tr><td class="num">(\d+)</td>', first)]
+        assert len(ids) == 50 and ids == sorted(ids, reverse=True) and "lock.release" in first
+        older = re.search(r'href="(/admin/audit\?[^"]*before=\d+)"', first)
+        assert older, first
+        second = admin.get(older.group(1).replace("&amp;", "&")).text
+        more = [int(i) for i in re.findall(r'<tr><td class="num">(\d+)</td>', second)]
+        assert more and max(more) < min(ids) and len(ids) + len(more) == 63  # create, acquire, 60 renews, release
+        assert "parcel.create" in second and "lock.release" not in second
+
+
+def test_failed_signins_are_throttled(server_env: ServerEnv) -> None:
+    name = "t" + uuid.uuid4().hex[:10]
+    server_env.admin("user", "add", name, "--password-file", "-", input_text="right-password\n")
+    with Web(server_env) as web:
+        for _ in range(5):
+            assert web.sign_in(name, "wrong-password").status_code == 401
+        throttled = web.sign_in(name, "right-password")
+        assert throttled.status_code == 429 and int(throttled.headers["retry-after"]) > 0
+        assert "Too many failed sign-ins" in throttled.text
+        assert not any(c.startswith(SESSION_COOKIE) for c in throttled.headers.get_list("set-cookie"))
+        # Other users are not affected.
+        assert web.sign_in("alice").status_code == 303
+
+
+def test_unknown_pages_and_methods(server_env: ServerEnv) -> None:
+    with Web(server_env) as web:
+        missing = web.get("/no/such/page")
+        assert missing.status_code == 404 and missing.headers["content-type"].startswith("text/html")
+        for path in ("/etc/passwd", "/static/../meta.sqlite", "/static/..%2F..%2Fmeta.sqlite",
+                     "/static/..%2F..%2F..%2F..%2Fetc%2Fpasswd", "/static/%2e%2e", "/static/isr.css%00.png",
+                     "/static/"):
+            response = web.get(path)
+            assert response.status_code in (400, 404), path
+            assert "root:" not in response.text and "SQLite" not in response.text, path
+        assert web.http.delete("/").status_code == 405
+        assert web.get("/signout").status_code == 405
+        # API paths keep answering JSON.
+        assert web.get("/v1/nothing").json()["code"] == "not_found"
+
+
+def test_schema_1_database_is_upgraded(tmp_path: Path) -> None:
+    """A database made before the web pages gets the lock report columns and the session tables."""
+    from server.meta.sqlite import SqliteMeta
+
+    path = tmp_path / "meta.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE schema_info (name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
+        db.execute("INSERT INTO schema_info VALUES ('version', 1)")
+        db.execute("CREATE TABLE locks (parcel_id TEXT PRIMARY KEY, nonce_hash TEXT NOT NULL, user_id BIGINT NOT NULL, "
+                   "host TEXT NOT NULL, site TEXT NOT NULL, acquired DOUBLE PRECISION NOT NULL, "
+                   "renewed DOUBLE PRECISION NOT NULL, expires DOUBLE PRECISION, version BIGINT NOT NULL)")
+    meta = SqliteMeta(path)
+    meta.close()
+    with sqlite3.connect(path) as db:
+        columns = {row[1] for row in db.execute("PRAGMA table_info(locks)")}
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        version = db.execute("SELECT value FROM schema_info WHERE name = 'version'").fetchone()[0]
+    assert {"dirty_chunks", "dirty_bytes", "dirty_reported"} <= columns
+    assert {"web_sessions", "signin_failures"} <= tables and version == 2
+    SqliteMeta(path).close()  # opening again changes nothing
+
+
+def test_server_logged_no_internal_error(server_env: ServerEnv) -> None:
+    log = server_env.server.output()
+    assert "unexpected error" not in log and "Traceback" not in log, log
