@@ -150,15 +150,24 @@ static int header_check(const uint8_t *object, size_t object_len) {
 
 int chunk_decode(const void *object, size_t object_len, const uint8_t tag[CHUNK_TAG_LEN],
                  const uint8_t key[CHUNK_KEY_LEN], size_t n, void *ret_plaintext) {
+        int r;
+
+        r = chunk_verify_tag(object, object_len, tag);
+        if (r < 0) {
+                if (n > 0)
+                        memset(ret_plaintext, 0, n);
+                return r;
+        }
+        return chunk_decode_verified(object, object_len, key, n, ret_plaintext);
+}
+
+int chunk_decode_verified(const void *object, size_t object_len, const uint8_t key[CHUNK_KEY_LEN], size_t n,
+                          void *ret_plaintext) {
         const uint8_t *o = object;
         uint8_t *body = NULL;
         size_t body_len;
         uint32_t header_n;
         int compression, r;
-
-        r = chunk_verify_tag(object, object_len, tag);
-        if (r < 0)
-                goto out_wipe;
 
         compression = header_check(o, object_len);
         if (compression < 0) {

@@ -4,11 +4,14 @@
  * Decompression is bounded: output never exceeds the length the caller expects, and any frame that does
  * not produce exactly that length is rejected.
  *
- * Threading: safe from any thread; each call uses its own zstd context.
+ * Threading: safe from any thread.  Each thread keeps one compression and one decompression context
+ * for its lifetime: creating a zstd context per chunk costs more than decompressing the chunk.
  */
 #include "compress.h"
 
 #include <errno.h>
+#include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -20,16 +23,68 @@
 /* The magic number that opens an ordinary (not skippable) zstd frame, little-endian. */
 static const uint8_t zstd_frame_magic[4] = { 0x28, 0xb5, 0x2f, 0xfd };
 
+static pthread_once_t context_once = PTHREAD_ONCE_INIT;
+static pthread_key_t cctx_key, dctx_key;
+
+static void cctx_destroy(void *p) {
+        ZSTD_freeCCtx(p);
+}
+
+static void dctx_destroy(void *p) {
+        ZSTD_freeDCtx(p);
+}
+
+static void context_keys_create(void) {
+        /* Failure leaves the keys invalid; pthread_getspecific() then yields NULL and we fall back to
+         * a context per call. */
+        if (pthread_key_create(&cctx_key, cctx_destroy) != 0 || pthread_key_create(&dctx_key, dctx_destroy) != 0)
+                return;
+}
+
+/* This thread's compression context, reset; NULL if out of memory. *ret_owned: the caller frees it. */
+static ZSTD_CCtx *cctx_get(bool *ret_owned) {
+        ZSTD_CCtx *cctx;
+
+        pthread_once(&context_once, context_keys_create);
+        cctx = pthread_getspecific(cctx_key);
+        *ret_owned = false;
+        if (cctx) {
+                ZSTD_CCtx_reset(cctx, ZSTD_reset_session_and_parameters);
+                return cctx;
+        }
+        cctx = ZSTD_createCCtx();
+        if (cctx && pthread_setspecific(cctx_key, cctx) != 0)
+                *ret_owned = true;
+        return cctx;
+}
+
+static ZSTD_DCtx *dctx_get(bool *ret_owned) {
+        ZSTD_DCtx *dctx;
+
+        pthread_once(&context_once, context_keys_create);
+        dctx = pthread_getspecific(dctx_key);
+        *ret_owned = false;
+        if (dctx) {
+                ZSTD_DCtx_reset(dctx, ZSTD_reset_session_and_parameters);
+                return dctx;
+        }
+        dctx = ZSTD_createDCtx();
+        if (dctx && pthread_setspecific(dctx_key, dctx) != 0)
+                *ret_owned = true;
+        return dctx;
+}
+
 size_t compress_bound(size_t len) {
         return ZSTD_compressBound(len);
 }
 
 int compress_frame(const void *in, size_t len, int level, void *ret_out, size_t out_capacity, size_t *ret_len) {
         ZSTD_CCtx *cctx;
+        bool owned;
         size_t n;
         int r = 0;
 
-        cctx = ZSTD_createCCtx();
+        cctx = cctx_get(&owned);
         if (!cctx)
                 return -ENOMEM;
         if (ZSTD_isError(ZSTD_CCtx_setParameter(cctx, ZSTD_c_compressionLevel, level)) ||
@@ -51,7 +106,8 @@ int compress_frame(const void *in, size_t len, int level, void *ret_out, size_t 
         }
         *ret_len = n;
 out_cctx:
-        ZSTD_freeCCtx(cctx);
+        if (owned)
+                ZSTD_freeCCtx(cctx);
         return r;
 }
 
@@ -59,6 +115,7 @@ int compress_decompress_exact(const void *in, size_t len, void *ret_out, size_t 
         uint8_t scratch;
         unsigned long long content_size;
         ZSTD_DCtx *dctx;
+        bool owned;
         size_t frame_len, n;
         int r = 0;
 
@@ -78,7 +135,7 @@ int compress_decompress_exact(const void *in, size_t len, void *ret_out, size_t 
                 return -EBADMSG;
         }
 
-        dctx = ZSTD_createDCtx();
+        dctx = dctx_get(&owned);
         if (!dctx)
                 return -ENOMEM;
         /* Writing into a buffer of exactly expected_len makes zstd fail on a frame that produces more. */
@@ -89,6 +146,7 @@ int compress_decompress_exact(const void *in, size_t len, void *ret_out, size_t 
                         memset(ret_out, 0, expected_len);
                 r = -EBADMSG;
         }
-        ZSTD_freeDCtx(dctx);
+        if (owned)
+                ZSTD_freeDCtx(dctx);
         return r;
 }

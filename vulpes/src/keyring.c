@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: GPL-2.0-or-later */
 /*
  * Keyrings (doc/parcel-format.md, "Keyrings"): wrapping chunk keys under the parcel key, the canonical
- * keyring stream, and the local sqlite keyring database.  The only file that includes sqlite3.
+ * keyring stream, and the local sqlite keyring database, with vulpes's own tables in it (changed chunks,
+ * pending uploads; doc/vulpes.md).  With cache.c (its index), the only file that includes sqlite3.
  *
  * The database is in WAL mode with synchronous=FULL, so a committed record survives a crash.  Streams are
  * validated completely before anything is written, and an import is one transaction.
@@ -860,4 +861,121 @@ int keyring_digest(Keyring *k, uint8_t ret_digest[KEYRING_DIGEST_LEN], uint64_t 
 out_sha:
         crypto_sha256_free(sha);
         return r;
+}
+
+/* --- vulpes's own tables ----------------------------------------------------------------------------- */
+
+int keyring_state_init(Keyring *k) {
+        return exec_sql(k,
+                        "CREATE TABLE IF NOT EXISTS vulpes_changed (idx INTEGER PRIMARY KEY);\n"
+                        "CREATE TABLE IF NOT EXISTS vulpes_uploads (tag BLOB PRIMARY KEY CHECK (length(tag) = 32)) "
+                        "WITHOUT ROWID;\n",
+                        "create vulpes tables in");
+}
+
+int keyring_apply(Keyring *k, const KeyringChange *changes, size_t n) {
+        sqlite3_stmt *changed = NULL, *upload = NULL;
+        int r;
+
+        if (n == 0)
+                return 0;
+        if (sqlite3_prepare_v2(k->db, "INSERT OR IGNORE INTO vulpes_changed (idx) VALUES (?1)", -1, &changed, NULL) !=
+                    SQLITE_OK ||
+            sqlite3_prepare_v2(k->db, "INSERT OR IGNORE INTO vulpes_uploads (tag) VALUES (?1)", -1, &upload, NULL) !=
+                    SQLITE_OK) {
+                r = sqlite_failure(k, "prepare a flush of");
+                goto out_stmts;
+        }
+        r = exec_sql(k, "BEGIN IMMEDIATE", "begin a flush of");
+        if (r < 0)
+                goto out_stmts;
+        for (size_t i = 0; i < n; i++) {
+                const KeyringChange *c = &changes[i];
+
+                if (c->remove) {
+                        r = keyring_delete(k, c->record.idx);
+                } else {
+                        r = keyring_put(k, &c->record);
+                        if (r >= 0) {
+                                sqlite3_bind_blob(upload, 1, c->record.tag, KEYRING_TAG_LEN, SQLITE_STATIC);
+                                if (sqlite3_step(upload) != SQLITE_DONE)
+                                        r = sqlite_failure(k, "write");
+                                sqlite3_reset(upload);
+                        }
+                }
+                if (r < 0)
+                        goto out_rollback;
+                sqlite3_bind_int64(changed, 1, (int64_t) c->record.idx);
+                if (sqlite3_step(changed) != SQLITE_DONE) {
+                        r = sqlite_failure(k, "write");
+                        goto out_rollback;
+                }
+                sqlite3_reset(changed);
+        }
+        r = exec_sql(k, "COMMIT", "commit a flush of");
+        if (r < 0)
+                goto out_rollback;
+        goto out_stmts;
+
+out_rollback:
+        sqlite3_exec(k->db, "ROLLBACK", NULL, NULL, NULL);
+out_stmts:
+        sqlite3_finalize(changed);
+        sqlite3_finalize(upload);
+        return r < 0 ? r : 0;
+}
+
+int keyring_uploads_next(Keyring *k, uint8_t (*ret_tags)[KEYRING_TAG_LEN], size_t max, size_t *ret_n) {
+        sqlite3_stmt *stmt = NULL;
+        size_t n = 0;
+        int rc, r;
+
+        r = exec_sql(k, "DELETE FROM vulpes_uploads WHERE tag NOT IN (SELECT tag FROM chunks)", "prune uploads of");
+        if (r < 0)
+                return r;
+        if (sqlite3_prepare_v2(k->db, "SELECT tag FROM vulpes_uploads LIMIT ?1", -1, &stmt, NULL) != SQLITE_OK)
+                return sqlite_failure(k, "read uploads of");
+        sqlite3_bind_int64(stmt, 1, (int64_t) max);
+        while ((rc = sqlite3_step(stmt)) == SQLITE_ROW && n < max) {
+                if (sqlite3_column_bytes(stmt, 0) != KEYRING_TAG_LEN)
+                        continue;
+                memcpy(ret_tags[n++], sqlite3_column_blob(stmt, 0), KEYRING_TAG_LEN);
+        }
+        if (rc != SQLITE_DONE && rc != SQLITE_ROW)
+                r = sqlite_failure(k, "read uploads of");
+        sqlite3_finalize(stmt);
+        *ret_n = n;
+        return r;
+}
+
+int keyring_upload_done(Keyring *k, const uint8_t tag[KEYRING_TAG_LEN]) {
+        sqlite3_stmt *stmt = NULL;
+        int r = 0;
+
+        if (sqlite3_prepare_v2(k->db, "DELETE FROM vulpes_uploads WHERE tag = ?1", -1, &stmt, NULL) != SQLITE_OK)
+                return sqlite_failure(k, "update uploads of");
+        sqlite3_bind_blob(stmt, 1, tag, KEYRING_TAG_LEN, SQLITE_STATIC);
+        if (sqlite3_step(stmt) != SQLITE_DONE)
+                r = sqlite_failure(k, "update uploads of");
+        sqlite3_finalize(stmt);
+        return r;
+}
+
+int keyring_state_counts(Keyring *k, uint64_t *ret_changed, uint64_t *ret_uploads) {
+        int64_t changed = 0, uploads = 0;
+        int r;
+
+        r = query_int64(k, "SELECT count(*) FROM vulpes_changed", &changed);
+        if (r < 0)
+                return r;
+        r = query_int64(k, "SELECT count(*) FROM vulpes_uploads", &uploads);
+        if (r < 0)
+                return r;
+        *ret_changed = (uint64_t) changed;
+        *ret_uploads = (uint64_t) uploads;
+        return 0;
+}
+
+int keyring_changed_reset(Keyring *k) {
+        return exec_sql(k, "DELETE FROM vulpes_changed", "reset changes of");
 }

@@ -97,3 +97,37 @@ int keyring_export_stream(Keyring *k, uint8_t **ret_stream, size_t *ret_len);
 
 /* SHA-256 of the stream keyring_export_stream() would produce, and its length, without building it. */
 int keyring_digest(Keyring *k, uint8_t ret_digest[KEYRING_DIGEST_LEN], uint64_t *ret_stream_len);
+
+/* --- vulpes's own tables in the local keyring ------------------------------------------------------ */
+
+/*
+ * vulpes keeps two tables of its own next to the format's (which it never changes in shape):
+ * vulpes_changed(idx), the chunks written since the base version, and vulpes_uploads(tag), the objects it
+ * made that the server may not have yet.
+ */
+
+/* One record change of a flush: the new record, or the removal of idx (the chunk became all zeros). */
+typedef struct KeyringChange {
+        bool remove;
+        KeyringRecord record;          /* record.idx is the index in both cases */
+} KeyringChange;
+
+/* Creates vulpes's tables if they are missing. */
+int keyring_state_init(Keyring *k);
+
+/* Applies changes in one transaction (durable when it returns), noting the indices as changed and the new
+ * tags as to be uploaded. */
+int keyring_apply(Keyring *k, const KeyringChange *changes, size_t n);
+
+/*
+ * Up to max tags still to upload that some record still names (tags no record names any more are
+ * forgotten first).  *ret_n may be 0: nothing to upload.
+ */
+int keyring_uploads_next(Keyring *k, uint8_t (*ret_tags)[KEYRING_TAG_LEN], size_t max, size_t *ret_n);
+
+int keyring_upload_done(Keyring *k, const uint8_t tag[KEYRING_TAG_LEN]);
+
+int keyring_state_counts(Keyring *k, uint64_t *ret_changed, uint64_t *ret_uploads);
+
+/* After a checkin made the current keyring the base version: nothing has changed since. */
+int keyring_changed_reset(Keyring *k);

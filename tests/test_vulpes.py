@@ -1,0 +1,516 @@
+"""vulpes, mounted for real: the read and write paths against a model file, ext4 through vulpes, durability
+across kill -9, corruption and outages, hoard, traces, lookaside, writeback, and the test guest booting
+from a vulpes disk.
+
+Every test mounts vulpes with `tests.vulpes_fixtures.Vulpes`, which unmounts in ``finally``, requires a
+clean exit and fails the test on unexpected daemon output.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import random
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
+from tests.vulpes_fixtures import (CHUNK_SIZE, FaultServer, IsrServer, Vulpes, chunk_path, drop_caches,
+                                   isr_server, make_state, random_image, read_all, spki_pin,  # noqa: F401
+                                   vulpes_binary, wait_for)
+
+pytestmark = pytest.mark.timeout(300)
+
+MIB = 1 << 20
+
+
+def fault_vulpes(binary: Path, tmp_path: Path, state, server: FaultServer, **kwargs) -> Vulpes:
+    token = tmp_path / "fault-token"
+    token.write_text(server.token + "\n")
+    return Vulpes(binary, tmp_path / "mnt", state, tmp_path / "cache", server=server.url, token_file=token,
+                  ca=server.cert, **kwargs)
+
+
+def server_vulpes(binary: Path, tmp_path: Path, state, server: IsrServer, name: str = "mnt", **kwargs) -> Vulpes:
+    return Vulpes(binary, tmp_path / name, state, tmp_path / "cache", server=server.url,
+                  token_file=server.token_file, ca=server.ca, **kwargs)
+
+
+# --- read and write path ---------------------------------------------------------------------------------
+
+def test_random_read_write_against_model(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
+    """Random reads and writes, unaligned and crossing chunks, through the page cache and with O_DIRECT-like
+    cache drops, checked against a model; then durability of the writes across a remount."""
+    size = 24 * MIB + 12345 // 512 * 512     # a short last chunk
+    content = random_image(size, seed=11)
+    state = make_state(tmp_path / "state", content, 4 * MIB)
+    state.publish(isr_server.store)
+    model = bytearray(content)
+    rng = random.Random(5)
+
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        disk = v.path("disk")
+        assert disk.stat().st_size == size
+        assert v.path("memory").stat().st_size == 4 * MIB
+        with open(disk, "r+b", buffering=0) as f:
+            for step in range(400):
+                offset = rng.randrange(size)
+                length = min(rng.choice([1, 511, 4096, CHUNK_SIZE - 3, CHUNK_SIZE + 17, 3 * CHUNK_SIZE + 1]),
+                             size - offset)
+                if rng.random() < 0.4:
+                    data = rng.randbytes(length) if rng.random() < 0.7 else bytes(length)
+                    f.seek(offset)
+                    assert f.write(data) == length
+                    model[offset:offset + length] = data
+                else:
+                    f.seek(offset)
+                    assert f.read(length) == model[offset:offset + length], f"step {step}: {length} @ {offset}"
+                if step % 100 == 99:
+                    os.fsync(f.fileno())
+                    drop_caches(disk)
+            os.fsync(f.fileno())
+        assert read_all(disk) == model
+        stats = v.stats_file()
+        assert stats["hits"]["server"] > 0 and stats["io"]["bytes_written"] > 0
+        assert stats["images"]["disk"]["dirty_chunks"] == 0
+        assert stats["images"]["disk"]["changed_chunks"] > 0
+
+    # A fresh daemon (empty RAM) sees exactly the model: the writes reached the cache and the keyring.
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        assert hashlib.sha256(read_all(v.path("disk"))).digest() == hashlib.sha256(model).digest()
+        stats = v.stats_file()
+        assert stats["hits"]["server"] == 0, "everything should come from the local cache now"
+
+
+def test_mkfs_and_e2fsck_through_vulpes(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
+    state = make_state(tmp_path / "state", bytes(64 * MIB), 1 * MIB)
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        disk = v.path("disk")
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "nodiscard", str(disk)], check=True, timeout=120)
+        result = subprocess.run(["e2fsck", "-fn", str(disk)], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        result = subprocess.run(["e2fsck", "-fn", str(v.path("disk"))], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_memory_image_shared_mmap(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
+    """Guest RAM: MAP_SHARED writes reach vulpes as page-cache writeback; msync makes them durable."""
+    memory = random_image(8 * MIB, seed=3)
+    state = make_state(tmp_path / "state", bytes(1 * MIB), 8 * MIB, memory=memory)
+    state.publish(isr_server.store)
+    model = bytearray(memory)
+    rng = random.Random(9)
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        fd = os.open(v.path("memory"), os.O_RDWR)
+        try:
+            with mmap.mmap(fd, 8 * MIB, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as m:
+                assert m[:4096] == model[:4096]
+                for _ in range(200):
+                    offset = rng.randrange(8 * MIB - 64)
+                    data = rng.randbytes(64)
+                    m[offset:offset + 64] = data
+                    model[offset:offset + 64] = data
+                m.flush()
+                assert m[:] == model
+        finally:
+            os.close(fd)
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        assert read_all(v.path("memory")) == model
+
+
+def test_many_threads_same_chunks(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
+    """16 threads hammer the same 4 chunks: readers see either old or new bytes of their own region,
+    writers' disjoint regions all survive."""
+    content = random_image(2 * MIB, seed=21, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    state.publish(isr_server.store)
+    threads, errors = [], []
+    region = 4 * CHUNK_SIZE // 16
+    final = bytearray(content)
+    for t in range(16):
+        data = random.Random(t).randbytes(region)
+        final[t * region:(t + 1) * region] = data
+
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        disk = v.path("disk")
+
+        def worker(t: int) -> None:
+            try:
+                data = random.Random(t).randbytes(region)
+                with open(disk, "r+b", buffering=0) as f:
+                    for i in range(40):
+                        f.seek(t * region)
+                        got = f.read(region)
+                        assert got in (content[t * region:(t + 1) * region], data)
+                        f.seek(t * region + (i * 7919) % region)
+                        f.write(data[(i * 7919) % region:])
+                        f.seek(0)
+                        f.read(4 * CHUNK_SIZE)
+                    f.seek(t * region)
+                    f.write(data)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        for t in range(16):
+            threads.append(threading.Thread(target=worker, args=(t,)))
+            threads[-1].start()
+        for thread in threads:
+            thread.join(120)
+        assert not errors, errors
+        # One transfer and one load per chunk, not one per reader (kernel readahead may touch a few more).
+        stats = v.stats_file()
+        assert stats["fetch"]["fetches"] == stats["hits"]["server"] <= 8
+        with open(disk, "rb", buffering=0) as f:
+            assert f.read(4 * CHUNK_SIZE) == final[:4 * CHUNK_SIZE]
+
+
+# --- durability ------------------------------------------------------------------------------------------
+
+def test_kill9_after_flush_loses_nothing(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
+    content = random_image(8 * MIB, seed=31)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    state.publish(isr_server.store)
+    model = bytearray(content)
+    rng = random.Random(4)
+    v = server_vulpes(vulpes_binary, tmp_path, state, isr_server, extra=["--flush-interval=3600000"])
+    v.start()
+    try:
+        with open(v.path("disk"), "r+b", buffering=0) as f:
+            for _ in range(100):
+                offset, data = rng.randrange(8 * MIB - 5000), rng.randbytes(rng.randrange(1, 5000))
+                f.seek(offset)
+                f.write(data)
+                model[offset:offset + len(data)] = data
+            os.fsync(f.fileno())                       # the guest's flush
+            f.seek(0)
+            f.write(b"not flushed")                   # after the flush: may be lost, must not corrupt
+    finally:
+        v.kill()
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        got = read_all(v.path("disk"))
+        assert got[11:] == model[11:]
+        assert got[:11] in (model[:11], b"not flushed")
+
+
+# --- corruption and outages ------------------------------------------------------------------------------
+
+def test_corrupt_cache_entry_is_refetched(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
+    content = random_image(2 * MIB, seed=41, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    state.publish(isr_server.store)
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        assert read_all(v.path("disk")) == content
+    victim = chunk_path(tmp_path / "cache", state.tag_of("disk", 3))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 1
+    victim.write_bytes(data)
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server,
+                       expected_output=[r"cache object .* failed verification: quarantined, fetching it again"]) as v:
+        assert read_all(v.path("disk")) == content
+        stats = v.stats_file()
+        assert stats["cache"]["quarantined"] == 1 and stats["hits"]["server"] == 1
+    assert victim.read_bytes() == state.objects[state.tag_of("disk", 3)]
+    assert len(list((tmp_path / "cache" / "quarantine").iterdir())) == 1
+
+
+def test_server_with_wrong_bytes_is_rejected(vulpes_binary: Path, tmp_path: Path) -> None:
+    content = random_image(1 * MIB, seed=51, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    store = tmp_path / "store"
+    state.publish(store)
+    server = FaultServer(store, tmp_path).start()
+    try:
+        # One bad answer: rejected, fetched again, served correctly.
+        server.corrupt = 1
+        with fault_vulpes(vulpes_binary, tmp_path, state, server,
+                          expected_output=[r"chunk [0-9a-f]{64}: the server sent bytes that do not match the tag "
+                                           r"\(attempt 1\)"]) as v:
+            with open(v.path("disk"), "rb") as f:
+                assert f.read(CHUNK_SIZE) == content[:CHUNK_SIZE]
+        # Bad bytes every time: an I/O error with one line naming the chunk, never a corrupt byte.
+        server.corrupt = -1
+        tag = state.tag_of("disk", 5).hex()
+        with fault_vulpes(vulpes_binary, tmp_path, state, server,
+                          expected_output=[r"chunk [0-9a-f]{64}: the server sent bytes that do not match the tag "
+                                           r"\(attempt \d\)",
+                                           rf"failed to read disk chunk 5 \(tag {tag}\): every copy failed "
+                                           r"verification against its tag"]) as v:
+            with open(v.path("disk"), "rb", buffering=0) as f:
+                f.seek(5 * CHUNK_SIZE)
+                with pytest.raises(OSError) as info:
+                    f.read(4096)
+                assert info.value.errno == 5
+            assert v.stats_file()["fetch"]["bad"] >= 3
+        assert not chunk_path(tmp_path / "cache", state.tag_of("disk", 5)).exists()
+    finally:
+        server.stop()
+
+
+def test_server_stopped_mid_read_then_restarted(vulpes_binary: Path, tmp_path: Path) -> None:
+    content = random_image(1 * MIB, seed=61, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    store = tmp_path / "store"
+    state.publish(store)
+    server = FaultServer(store, tmp_path).start()
+    result: dict[str, bytes] = {}
+    try:
+        with fault_vulpes(vulpes_binary, tmp_path, state, server,
+                          expected_output=[r"server trouble \(.*\): retrying, reads wait"]) as v:
+            server.stop()
+            reader = threading.Thread(target=lambda: result.update(data=read_all(v.path("disk"))))
+            reader.start()
+            wait_for(lambda: v.status()["fetch"]["waiting"], 20, "vulpes to report that it is waiting")
+            time.sleep(1.0)
+            assert reader.is_alive(), "the read must wait, not fail"
+            server.start()                              # same port
+            reader.join(60)
+            assert not reader.is_alive()
+            assert result["data"] == content
+            assert v.status()["errors"] == 0
+    finally:
+        server.stop()
+
+
+def test_missing_chunk_is_a_definitive_error(vulpes_binary: Path, tmp_path: Path) -> None:
+    content = random_image(1 * MIB, seed=71, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    store = tmp_path / "store"
+    state.publish(store)
+    chunk_path(store, state.tag_of("disk", 2)).unlink()
+    server = FaultServer(store, tmp_path).start()
+    try:
+        tag = state.tag_of("disk", 2).hex()
+        with fault_vulpes(vulpes_binary, tmp_path, state, server,
+                          expected_output=[rf"failed to read disk chunk 2 \(tag {tag}\): not in the cache, any "
+                                           r"lookaside source or on the server"]) as v:
+            with open(v.path("disk"), "rb", buffering=0) as f:
+                assert f.read(2 * CHUNK_SIZE) == content[:2 * CHUNK_SIZE]
+                with pytest.raises(OSError):
+                    f.read(CHUNK_SIZE)
+    finally:
+        server.stop()
+
+
+def test_redirect_to_another_origin_gets_no_token(vulpes_binary: Path, tmp_path: Path) -> None:
+    """The server answers with a presigned-URL style redirect to another origin (as isr-server does with
+    an S3 store): vulpes follows it without the bearer token and still verifies the bytes."""
+    content = random_image(1 * MIB, seed=141, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    store = tmp_path / "store"
+    state.publish(store)
+    bucket = FaultServer(store, tmp_path, token=None, tls=False).start()
+    server = FaultServer(tmp_path / "empty", tmp_path).start()
+    server.redirect = bucket.url
+    try:
+        with fault_vulpes(vulpes_binary, tmp_path, state, server) as v:
+            assert read_all(v.path("disk")) == content
+        assert sum(bucket.requests.values()) == len(state.records["disk"])
+        assert bucket.leaked_tokens == 0
+        assert server.auth_failures == 0
+    finally:
+        server.stop()
+        bucket.stop()
+
+
+# --- control socket: hoard, offline, traces, writeback ---------------------------------------------------
+
+def test_hoard_then_offline(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
+    content = random_image(16 * MIB, seed=81)
+    memory = random_image(4 * MIB, seed=82)
+    state = make_state(tmp_path / "state", content, 4 * MIB, memory=memory)
+    state.publish(isr_server.store)
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        response = v.control({"op": "hoard", "wait": True})
+        assert response["ok"], response
+        hoard = response["status"]["hoard"]
+        records = len(state.records["disk"]) + len(state.records["memory"])
+        assert hoard["state"] == "done"
+        assert hoard["chunks_done"] == hoard["chunks_total"] == records
+        assert hoard["bytes_done"] == hoard["bytes_total"] and hoard["bytes_fetched"] > 0
+        assert v.control({"op": "offline"})["ok"]
+        assert read_all(v.path("disk")) == content
+        assert read_all(v.path("memory")) == memory
+        status = v.status()
+        assert status["fetch"]["offline"] and status["hits"]["server"] == 0
+        assert v.control({"op": "online"})["ok"]
+        assert v.control({"op": "bogus"}) == {"ok": False, "error": "unknown op \"bogus\""}
+
+
+def test_hoard_list_in_priority_order_and_restart(vulpes_binary: Path, isr_server: IsrServer,
+                                                  tmp_path: Path) -> None:
+    """A hoard request survives a daemon restart and continues where it stopped."""
+    content = random_image(8 * MIB, seed=91, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    state.publish(isr_server.store)
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server, extra=["--offline"]) as v:
+        response = v.control({"op": "hoard", "disk": [7, 3, 1], "memory": []})
+        assert response["ok"] and response["status"]["hoard"]["chunks_total"] == 3
+        # Offline: nothing moves, and the request is remembered.
+        assert (tmp_path / "state" / "hoard.request").read_text().startswith("disk 7 3 1")
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        hoard = wait_for(lambda: (h := v.status()["hoard"])["state"] == "done" and h, 30, "the hoard to finish")
+        assert hoard["chunks_done"] == 3
+    assert not (tmp_path / "state" / "hoard.request").exists()
+    for index in (7, 3, 1):
+        assert chunk_path(tmp_path / "cache", state.tag_of("disk", index)).exists()
+    assert not chunk_path(tmp_path / "cache", state.tag_of("disk", 0)).exists()
+
+
+def test_demand_overtakes_hoard(vulpes_binary: Path, tmp_path: Path) -> None:
+    """With a slow server and a long hoard queue, a guest read does not wait behind the hoard."""
+    content = random_image(8 * MIB, seed=151, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    store = tmp_path / "store"
+    state.publish(store)
+    server = FaultServer(store, tmp_path).start()
+    server.delay = 0.3
+    try:
+        with fault_vulpes(vulpes_binary, tmp_path, state, server, extra=["--max-transfers=8"]) as v:
+            order = list(range(64))
+            last = order.pop()                       # hoard 0..62 first, the last chunk at the end
+            assert v.control({"op": "hoard", "disk": order + [last]})["ok"]
+            time.sleep(0.2)
+            start = time.monotonic()
+            with open(v.path("disk"), "rb", buffering=0) as f:
+                f.seek(last * CHUNK_SIZE)
+                assert f.read(4096) == content[last * CHUNK_SIZE:last * CHUNK_SIZE + 4096]
+            elapsed = time.monotonic() - start
+            hoard = v.status()["hoard"]
+            # In hoard order it would come after ~60 chunks at 4 at a time x 0.3 s: about 4.5 s.
+            assert elapsed < 1.5, elapsed
+            assert hoard["state"] == "running" and hoard["chunks_done"] < 40, hoard
+            v.control({"op": "hoard-stop"})
+    finally:
+        server.stop()
+
+
+def test_trace_records_every_access(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
+    content = random_image(2 * MIB, seed=101, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    state.publish(isr_server.store)
+    trace = tmp_path / "trace.txt"
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        assert v.control({"op": "trace-start", "path": str(trace)})["ok"]
+        with open(v.path("disk"), "r+b", buffering=0) as f:
+            f.seek(3 * CHUNK_SIZE)
+            f.read(10)
+            f.seek(5 * CHUNK_SIZE - 5)
+            f.write(b"0123456789")
+        with open(v.path("memory"), "rb", buffering=0) as f:
+            f.read(10)
+        assert v.control({"op": "trace-stop"})["records"] >= 4
+    lines = trace.read_text().splitlines()
+    assert lines[0] == f"# vulpes-trace 1 chunk_size={CHUNK_SIZE}"
+    records = [line.split() for line in lines[1:]]
+    assert all(len(r) == 5 and float(r[0]) > 1e9 for r in records)
+    seen = {(r[1], int(r[2]), r[3], r[4]) for r in records}
+    assert ("disk", 3, "r", "server") in seen
+    assert ("disk", 4, "w", "server") in seen and ("disk", 5, "w", "server") in seen
+    assert ("memory", 0, "r", "zero") in seen
+    # chunksim reads vulpes traces as they are.
+    from tools.chunksim.trace import read_trace
+
+    parsed = read_trace(trace)
+    assert parsed.format == "vulpes" and parsed.granularity == CHUNK_SIZE
+    assert len(parsed.accesses) == len(records)
+
+
+def test_lookaside_is_used_and_verified(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
+    content = random_image(1 * MIB, seed=111, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    state.publish(isr_server.store)
+    usb = tmp_path / "usb"
+    state.publish(usb)
+    bad = chunk_path(usb, state.tag_of("disk", 1))
+    bad.write_bytes(b"x" + bad.read_bytes()[1:])
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server, lookaside=[usb],
+                       expected_output=[r"lookaside object .* does not match its tag: ignored"]) as v:
+        assert read_all(v.path("disk")) == content
+        status = v.status()
+        assert status["hits"]["lookaside"] == len(state.records["disk"]) - 1
+        assert status["hits"]["server"] == 1 and status["lookaside_bad"] == 1
+
+
+def test_writeback_uploads_dirty_chunks(vulpes_binary: Path, tmp_path: Path) -> None:
+    content = random_image(2 * MIB, seed=121, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    store = tmp_path / "store"
+    state.publish(store)
+    server = FaultServer(store, tmp_path).start()
+    try:
+        with fault_vulpes(vulpes_binary, tmp_path, state, server) as v:
+            with open(v.path("disk"), "r+b", buffering=0) as f:
+                f.write(b"A" * 1000)
+                f.seek(4 * CHUNK_SIZE)
+                f.write(random.Random(1).randbytes(CHUNK_SIZE))
+            response = v.control({"op": "upload"})
+            assert response == {"ok": True, "uploaded": 2}
+            status = v.status()
+            assert status["images"]["disk"]["pending_uploads"] == 0
+            assert status["images"]["disk"]["changed_chunks"] == 2
+            # Trickle writeback under a cap uploads in the background.
+            assert v.control({"op": "writeback", "enabled": True, "rate": 1 << 20})["ok"]
+            with open(v.path("disk"), "r+b", buffering=0) as f:
+                f.seek(7 * CHUNK_SIZE)
+                f.write(b"B" * 100)
+                os.fsync(f.fileno())
+            wait_for(lambda: v.status()["images"]["disk"]["pending_uploads"] == 0 and
+                     v.status()["writeback"]["uploaded_chunks"] == 3, 30, "trickle writeback")
+            assert v.control({"op": "checkin-done"})["ok"]
+            assert v.status()["images"]["disk"]["changed_chunks"] == 0
+        assert len(server.puts) == 3
+        for tag in server.puts:
+            assert chunk_path(store, bytes.fromhex(tag)).exists()
+    finally:
+        server.stop()
+
+
+def test_pinned_key_and_cache_index_rebuild(vulpes_binary: Path, tmp_path: Path) -> None:
+    content = random_image(1 * MIB, seed=131, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    store = tmp_path / "store"
+    state.publish(store)
+    server = FaultServer(store, tmp_path).start()
+    token = tmp_path / "fault-token"
+    token.write_text(server.token)
+    try:
+        with Vulpes(vulpes_binary, tmp_path / "mnt", state, tmp_path / "cache", server=server.url,
+                    token_file=token, pin=spki_pin(server.cert)) as v:
+            assert read_all(v.path("disk")) == content
+        (tmp_path / "cache" / "index.sqlite").unlink()
+        with Vulpes(vulpes_binary, tmp_path / "mnt", state, tmp_path / "cache", server=server.url,
+                    token_file=token, pin=spki_pin(server.cert)) as v:
+            assert v.status()["cache"]["objects"] == len(state.records["disk"])
+    finally:
+        server.stop()
+
+
+# --- the test guest, booted from vulpes ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_guest_boots_from_vulpes(vulpes_binary: Path, isr_server: IsrServer, guest_artifacts, tmp_path: Path) -> None:
+    """The real test guest with its disk and its RAM (memory-backend-file, share=on) both on vulpes, every
+    disk chunk fetched from the real isr-server on demand; then ext4 is clean through vulpes."""
+    from parcels.guest import booted_guest
+
+    state = make_state(tmp_path / "state", Path(guest_artifacts.disk), 256 * MIB)
+    state.publish(isr_server.store)
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        with booted_guest(guest_artifacts, v.path("disk"), run_dir=tmp_path, ready_timeout=120,
+                          memory_file=v.path("memory")) as guest:
+            guest.console.check("echo vulpes-was-here >/data/vulpes && sync")
+            assert guest.console.check("cat /data/vulpes").strip() == "vulpes-was-here"
+            guest.console.request_poweroff()
+            assert guest.vm.wait(60) == 0
+        status = v.status()
+        assert status["hits"]["server"] > 0 and status["errors"] == 0
+        assert status["images"]["memory"]["changed_chunks"] > 0      # guest RAM was written back
+        result = subprocess.run(["e2fsck", "-fn", str(v.path("disk"))], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr

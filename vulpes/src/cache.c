@@ -1,0 +1,630 @@
+/* SPDX-License-Identifier: GPL-2.0-or-later */
+/*
+ * The persistent chunk cache: ciphertext chunk objects named by tag, shared by every parcel on the
+ * machine, so identical chunks are stored once.  The files are the truth; the sqlite index (object sizes,
+ * for usage accounting) is a rebuildable summary and is written with synchronous=OFF: after a crash it
+ * may miss entries, and a damaged or missing index is rebuilt by walking chunks/ (as cvmfs does).
+ *
+ * Objects are verified on every read; one that fails is quarantined, never served.  Writes go through a
+ * temporary file in dir/tmp and rename(), so a name never points at a half-written file unless a crash
+ * hit a non-durable put, and then the next read's verification catches it.
+ *
+ * Threading: every function is safe from any thread (the index has its own mutex); several processes may
+ * share one cache directory (sqlite WAL, unique temporary names).
+ */
+#define _GNU_SOURCE
+#include "cache.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <sqlite3.h>
+
+#include "chunk.h"
+#include "hex.h"
+#include "log.h"
+
+#define TAG_HEX_LEN (CACHE_TAG_LEN * 2)
+#define CACHE_OBJECT_MAX (CHUNK_SIZE_MAX + CHUNK_OVERHEAD)
+
+enum {
+        INDEX_BUSY_TIMEOUT_MS = 10000,
+        TMP_MAX_AGE_SECONDS = 3600,      /* older temporary files are leftovers of a crashed writer */
+        BATCH_SMALL = 16,                /* up to this many objects, sync file by file instead of syncfs() */
+};
+
+struct Cache {
+        char *dir;
+        int dir_fd;
+        pthread_mutex_t lock;            /* guards index */
+        sqlite3 *index;
+        sqlite3_stmt *insert_stmt;
+        sqlite3_stmt *delete_stmt;
+};
+
+typedef struct BatchEntry {
+        uint8_t tag[CACHE_TAG_LEN];
+        char *tmp_path;
+        size_t len;
+} BatchEntry;
+
+struct CacheBatch {
+        Cache *cache;
+        BatchEntry *entries;
+        size_t n, capacity;
+};
+
+const char *cache_dir(const Cache *c) {
+        return c->dir;
+}
+
+/* chunks/ab/cd/<hex>, relative to the cache directory. */
+static void object_relpath(const uint8_t tag[CACHE_TAG_LEN], char ret[sizeof("chunks/ab/cd/") + TAG_HEX_LEN]) {
+        char hex[TAG_HEX_LEN + 1];
+
+        hex_encode(tag, CACHE_TAG_LEN, hex);
+        snprintf(ret, sizeof("chunks/ab/cd/") + TAG_HEX_LEN, "chunks/%.2s/%.2s/%s", hex, hex + 2, hex);
+}
+
+static int mkdir_p_at(int dir_fd, const char *relpath) {
+        char buf[PATH_MAX];
+
+        snprintf(buf, sizeof(buf), "%s", relpath);
+        for (char *p = buf + 1; ; p++) {
+                if (*p != '/' && *p != 0)
+                        continue;
+                char saved = *p;
+
+                *p = 0;
+                if (mkdirat(dir_fd, buf, 0755) < 0 && errno != EEXIST)
+                        return -errno;
+                *p = saved;
+                if (!saved)
+                        break;
+        }
+        return 0;
+}
+
+static int write_full(int fd, const uint8_t *p, size_t len) {
+        while (len > 0) {
+                ssize_t n = write(fd, p, len);
+
+                if (n < 0 && errno == EINTR)
+                        continue;
+                if (n < 0)
+                        return -errno;
+                p += n;
+                len -= (size_t) n;
+        }
+        return 0;
+}
+
+/* --- index ------------------------------------------------------------------------------------------ */
+
+static int index_exec(Cache *c, const char *sql) {
+        if (sqlite3_exec(c->index, sql, NULL, NULL, NULL) != SQLITE_OK) {
+                log_error("failed to update cache index in %s: %s", c->dir, sqlite3_errmsg(c->index));
+                return -EIO;
+        }
+        return 0;
+}
+
+static void index_close(Cache *c) {
+        sqlite3_finalize(c->insert_stmt);
+        sqlite3_finalize(c->delete_stmt);
+        c->insert_stmt = c->delete_stmt = NULL;
+        if (c->index)
+                sqlite3_close(c->index);
+        c->index = NULL;
+}
+
+/* Opens the index; returns 1 if it was created empty (so it needs a rebuild), -EBADMSG if damaged. */
+static int index_connect(Cache *c) {
+        char path[PATH_MAX];
+        sqlite3_stmt *stmt = NULL;
+        int64_t tables = 0;
+        bool fresh, ok;
+
+        snprintf(path, sizeof(path), "%s/index.sqlite", c->dir);
+        fresh = access(path, F_OK) < 0;
+        if (sqlite3_open_v2(path, &c->index, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
+                            NULL) != SQLITE_OK)
+                goto damaged;
+        sqlite3_busy_timeout(c->index, INDEX_BUSY_TIMEOUT_MS);
+        if (sqlite3_prepare_v2(c->index, "PRAGMA quick_check", -1, &stmt, NULL) != SQLITE_OK ||
+            sqlite3_step(stmt) != SQLITE_ROW)
+                goto damaged;
+        ok = strcmp((const char *) sqlite3_column_text(stmt, 0), "ok") == 0;
+        sqlite3_finalize(stmt);
+        stmt = NULL;
+        if (!ok)
+                goto damaged;
+        /* The index is a summary of the files: losing its last writes in a crash costs nothing. */
+        if (sqlite3_exec(c->index, "PRAGMA journal_mode = WAL; PRAGMA synchronous = OFF;", NULL, NULL, NULL) !=
+            SQLITE_OK)
+                goto damaged;
+        if (sqlite3_prepare_v2(c->index, "SELECT count(*) FROM sqlite_master WHERE name = 'objects'", -1, &stmt,
+                               NULL) != SQLITE_OK || sqlite3_step(stmt) != SQLITE_ROW)
+                goto damaged;
+        tables = sqlite3_column_int64(stmt, 0);
+        sqlite3_finalize(stmt);
+        stmt = NULL;
+        if (sqlite3_exec(c->index,
+                         "CREATE TABLE IF NOT EXISTS objects (tag BLOB PRIMARY KEY, size INTEGER NOT NULL, "
+                         "added INTEGER NOT NULL) WITHOUT ROWID", NULL, NULL, NULL) != SQLITE_OK ||
+            sqlite3_prepare_v3(c->index, "INSERT OR REPLACE INTO objects (tag, size, added) VALUES (?1, ?2, ?3)",
+                               -1, SQLITE_PREPARE_PERSISTENT, &c->insert_stmt, NULL) != SQLITE_OK ||
+            sqlite3_prepare_v3(c->index, "DELETE FROM objects WHERE tag = ?1", -1, SQLITE_PREPARE_PERSISTENT,
+                               &c->delete_stmt, NULL) != SQLITE_OK)
+                goto damaged;
+        return fresh || tables == 0 ? 1 : 0;
+
+damaged:
+        log_warning("cache index %s is damaged (%s): rebuilding it from the cache files", path,
+                    c->index ? sqlite3_errmsg(c->index) : "cannot open");
+        sqlite3_finalize(stmt);
+        index_close(c);
+        return -EBADMSG;
+}
+
+static int index_open(Cache *c) {
+        char path[PATH_MAX], aside[PATH_MAX + 16];
+        int r;
+
+        r = index_connect(c);
+        if (r == -EBADMSG) {
+                snprintf(path, sizeof(path), "%s/index.sqlite", c->dir);
+                snprintf(aside, sizeof(aside), "%s.damaged", path);
+                if (rename(path, aside) < 0 && errno != ENOENT)
+                        return -errno;
+                for (const char *suffix = "-wal"; suffix; suffix = strcmp(suffix, "-wal") == 0 ? "-shm" : NULL) {
+                        char aux[PATH_MAX + 8];
+
+                        snprintf(aux, sizeof(aux), "%s%s", path, suffix);
+                        unlink(aux);
+                }
+                r = index_connect(c);
+                if (r < 0)
+                        return -EIO;
+                r = 1;
+        }
+        if (r == 1)
+                return cache_rebuild_index(c);
+        return r;
+}
+
+static void index_insert(Cache *c, const uint8_t tag[CACHE_TAG_LEN], size_t len) {
+        pthread_mutex_lock(&c->lock);
+        sqlite3_bind_blob(c->insert_stmt, 1, tag, CACHE_TAG_LEN, SQLITE_STATIC);
+        sqlite3_bind_int64(c->insert_stmt, 2, (int64_t) len);
+        sqlite3_bind_int64(c->insert_stmt, 3, (int64_t) time(NULL));
+        if (sqlite3_step(c->insert_stmt) != SQLITE_DONE)
+                log_warning("failed to update cache index in %s: %s", c->dir, sqlite3_errmsg(c->index));
+        sqlite3_reset(c->insert_stmt);
+        pthread_mutex_unlock(&c->lock);
+}
+
+static void index_delete(Cache *c, const uint8_t tag[CACHE_TAG_LEN]) {
+        pthread_mutex_lock(&c->lock);
+        sqlite3_bind_blob(c->delete_stmt, 1, tag, CACHE_TAG_LEN, SQLITE_STATIC);
+        if (sqlite3_step(c->delete_stmt) != SQLITE_DONE)
+                log_warning("failed to update cache index in %s: %s", c->dir, sqlite3_errmsg(c->index));
+        sqlite3_reset(c->delete_stmt);
+        pthread_mutex_unlock(&c->lock);
+}
+
+int cache_rebuild_index(Cache *c) {
+        char path[PATH_MAX];
+        uint64_t n = 0;
+        int r;
+
+        pthread_mutex_lock(&c->lock);
+        r = index_exec(c, "BEGIN; DELETE FROM objects;");
+        if (r < 0)
+                goto out_unlock;
+        /* chunks/ab/cd/<hex>: three levels, names checked so that stray files are ignored. */
+        for (unsigned a = 0; a < 256; a++) {
+                for (unsigned b = 0; b < 256; b++) {
+                        DIR *d;
+                        struct dirent *de;
+
+                        snprintf(path, sizeof(path), "%s/chunks/%02x/%02x", c->dir, a, b);
+                        d = opendir(path);
+                        if (!d)
+                                continue;
+                        while ((de = readdir(d))) {
+                                uint8_t tag[CACHE_TAG_LEN];
+                                struct stat st;
+                                char prefix[5];
+
+                                snprintf(prefix, sizeof(prefix), "%02x%02x", a, b);
+                                if (strlen(de->d_name) != TAG_HEX_LEN || strncmp(de->d_name, prefix, 4) != 0 ||
+                                    hex_decode_exact(de->d_name, tag, CACHE_TAG_LEN) < 0)
+                                        continue;
+                                if (fstatat(dirfd(d), de->d_name, &st, 0) < 0 || !S_ISREG(st.st_mode))
+                                        continue;
+                                sqlite3_bind_blob(c->insert_stmt, 1, tag, CACHE_TAG_LEN, SQLITE_TRANSIENT);
+                                sqlite3_bind_int64(c->insert_stmt, 2, (int64_t) st.st_size);
+                                sqlite3_bind_int64(c->insert_stmt, 3, (int64_t) st.st_mtime);
+                                sqlite3_step(c->insert_stmt);
+                                sqlite3_reset(c->insert_stmt);
+                                n++;
+                        }
+                        closedir(d);
+                }
+        }
+        r = index_exec(c, "COMMIT");
+        if (r >= 0)
+                log_info("rebuilt cache index of %s: %llu objects", c->dir, (unsigned long long) n);
+out_unlock:
+        pthread_mutex_unlock(&c->lock);
+        return r;
+}
+
+int cache_usage(Cache *c, uint64_t *ret_objects, uint64_t *ret_bytes) {
+        sqlite3_stmt *stmt = NULL;
+        int r = 0;
+
+        pthread_mutex_lock(&c->lock);
+        if (sqlite3_prepare_v2(c->index, "SELECT count(*), coalesce(sum(size), 0) FROM objects", -1, &stmt, NULL) !=
+                    SQLITE_OK ||
+            sqlite3_step(stmt) != SQLITE_ROW) {
+                r = -EIO;
+        } else {
+                *ret_objects = (uint64_t) sqlite3_column_int64(stmt, 0);
+                *ret_bytes = (uint64_t) sqlite3_column_int64(stmt, 1);
+        }
+        sqlite3_finalize(stmt);
+        pthread_mutex_unlock(&c->lock);
+        return r;
+}
+
+/* --- files ------------------------------------------------------------------------------------------ */
+
+static void tmp_sweep(Cache *c) {
+        char path[PATH_MAX];
+        struct dirent *de;
+        time_t now = time(NULL);
+        DIR *d;
+
+        snprintf(path, sizeof(path), "%s/tmp", c->dir);
+        d = opendir(path);
+        if (!d)
+                return;
+        while ((de = readdir(d))) {
+                struct stat st;
+
+                if (de->d_name[0] == '.')
+                        continue;
+                if (fstatat(dirfd(d), de->d_name, &st, 0) == 0 && now - st.st_mtime > TMP_MAX_AGE_SECONDS)
+                        unlinkat(dirfd(d), de->d_name, 0);
+        }
+        closedir(d);
+}
+
+int cache_open(const char *dir, Cache **ret) {
+        Cache *c;
+        int r;
+
+        c = calloc(1, sizeof(*c));
+        if (!c)
+                return -ENOMEM;
+        pthread_mutex_init(&c->lock, NULL);
+        c->dir_fd = -1;
+        c->dir = strdup(dir);
+        if (!c->dir) {
+                r = -ENOMEM;
+                goto out_free;
+        }
+        if (mkdir(dir, 0755) < 0 && errno != EEXIST) {
+                r = -errno;
+                log_error("failed to create cache directory %s: %s", dir, strerror(-r));
+                goto out_free;
+        }
+        c->dir_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (c->dir_fd < 0) {
+                r = -errno;
+                log_error("failed to open cache directory %s: %s", dir, strerror(-r));
+                goto out_free;
+        }
+        if ((r = mkdir_p_at(c->dir_fd, "chunks")) < 0 || (r = mkdir_p_at(c->dir_fd, "tmp")) < 0 ||
+            (r = mkdir_p_at(c->dir_fd, "quarantine")) < 0) {
+                log_error("failed to create the layout of cache %s: %s", dir, strerror(-r));
+                goto out_free;
+        }
+        tmp_sweep(c);
+        r = index_open(c);
+        if (r < 0)
+                goto out_free;
+        *ret = c;
+        return 0;
+
+out_free:
+        cache_free(c);
+        return r;
+}
+
+Cache *cache_free(Cache *c) {
+        if (!c)
+                return NULL;
+        index_close(c);
+        if (c->dir_fd >= 0)
+                close(c->dir_fd);
+        pthread_mutex_destroy(&c->lock);
+        free(c->dir);
+        free(c);
+        return NULL;
+}
+
+bool cache_has(Cache *c, const uint8_t tag[CACHE_TAG_LEN]) {
+        char rel[sizeof("chunks/ab/cd/") + TAG_HEX_LEN];
+
+        object_relpath(tag, rel);
+        return faccessat(c->dir_fd, rel, F_OK, 0) == 0;
+}
+
+int cache_quarantine(Cache *c, const uint8_t tag[CACHE_TAG_LEN]) {
+        char rel[sizeof("chunks/ab/cd/") + TAG_HEX_LEN], hex[TAG_HEX_LEN + 1], dest[TAG_HEX_LEN + 64];
+        struct timespec ts;
+        int r = 0;
+
+        object_relpath(tag, rel);
+        hex_encode(tag, CACHE_TAG_LEN, hex);
+        clock_gettime(CLOCK_REALTIME, &ts);
+        snprintf(dest, sizeof(dest), "quarantine/%s.%lld.%09ld", hex, (long long) ts.tv_sec, ts.tv_nsec);
+        if (renameat(c->dir_fd, rel, c->dir_fd, dest) < 0 && errno != ENOENT) {
+                r = -errno;
+                log_error("failed to quarantine cache object %s: %s", hex, strerror(-r));
+                /* Never leave a bad object where it would be read again. */
+                unlinkat(c->dir_fd, rel, 0);
+        }
+        index_delete(c, tag);
+        return r;
+}
+
+int cache_get(Cache *c, const uint8_t tag[CACHE_TAG_LEN], uint8_t **ret_object, size_t *ret_len) {
+        char rel[sizeof("chunks/ab/cd/") + TAG_HEX_LEN];
+        uint8_t *data = NULL;
+        struct stat st;
+        size_t len = 0;
+        int fd, r;
+
+        object_relpath(tag, rel);
+        fd = openat(c->dir_fd, rel, O_RDONLY | O_CLOEXEC);
+        if (fd < 0)
+                return errno == ENOENT ? -ENOENT : -errno;
+        if (fstat(fd, &st) < 0) {
+                r = -errno;
+                goto out_close;
+        }
+        if (st.st_size < CHUNK_OVERHEAD || st.st_size > CACHE_OBJECT_MAX) {
+                r = -EBADMSG;
+                goto out_bad;
+        }
+        data = malloc((size_t) st.st_size);
+        if (!data) {
+                r = -ENOMEM;
+                goto out_close;
+        }
+        while (len < (size_t) st.st_size) {
+                ssize_t n = pread(fd, data + len, (size_t) st.st_size - len, (off_t) len);
+
+                if (n < 0 && errno == EINTR)
+                        continue;
+                if (n < 0) {
+                        r = -errno;
+                        log_error("failed to read cache object %s: %s", rel, strerror(-r));
+                        goto out_data;
+                }
+                if (n == 0)
+                        break;
+                len += (size_t) n;
+        }
+        if (len != (size_t) st.st_size || chunk_verify_tag(data, len, tag) < 0) {
+                r = -EBADMSG;
+                goto out_bad;
+        }
+        close(fd);
+        *ret_object = data;
+        *ret_len = len;
+        return 0;
+
+out_bad:
+        log_warning("cache object %s failed verification: quarantined, fetching it again", rel + 13);
+        cache_quarantine(c, tag);
+out_data:
+        free(data);
+out_close:
+        close(fd);
+        return r;
+}
+
+/* Writes object to a new temporary file in dir/tmp; returns its malloc()ed path. */
+static int tmp_write(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len, bool sync,
+                     char **ret_path) {
+        char hex[TAG_HEX_LEN + 1], *path = NULL;
+        int fd, r;
+
+        hex_encode(tag, CACHE_TAG_LEN, hex);
+        if (asprintf(&path, "%s/tmp/%s.XXXXXX", c->dir, hex) < 0)
+                return -ENOMEM;
+        fd = mkostemp(path, O_CLOEXEC);
+        if (fd < 0) {
+                r = -errno;
+                log_error("failed to create %s: %s", path, strerror(-r));
+                free(path);
+                return r;
+        }
+        r = fchmod(fd, 0644) < 0 ? -errno : 0;
+        if (r >= 0)
+                r = write_full(fd, object, len);
+        if (r >= 0 && sync && fdatasync(fd) < 0)
+                r = -errno;
+        if (close(fd) < 0 && r >= 0)
+                r = -errno;
+        if (r < 0) {
+                log_error("failed to write %s: %s", path, strerror(-r));
+                unlink(path);
+                free(path);
+                return r;
+        }
+        *ret_path = path;
+        return 0;
+}
+
+/* Renames a temporary file to the object's name, creating its directories. */
+static int tmp_install(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const char *tmp_path, bool sync_dir) {
+        char rel[sizeof("chunks/ab/cd/") + TAG_HEX_LEN], dir[16];
+        int r, fd;
+
+        object_relpath(tag, rel);
+        memcpy(dir, rel, 12);
+        dir[12] = 0;
+        if (renameat(AT_FDCWD, tmp_path, c->dir_fd, rel) < 0) {
+                if (errno != ENOENT || (r = mkdir_p_at(c->dir_fd, dir)) < 0 ||
+                    renameat(AT_FDCWD, tmp_path, c->dir_fd, rel) < 0) {
+                        r = -errno;
+                        log_error("failed to rename %s to %s/%s: %s", tmp_path, c->dir, rel, strerror(-r));
+                        return r;
+                }
+        }
+        if (sync_dir) {
+                fd = openat(c->dir_fd, dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+                if (fd < 0 || fsync(fd) < 0) {
+                        r = -errno;
+                        log_error("failed to sync %s/%s: %s", c->dir, dir, strerror(-r));
+                        if (fd >= 0)
+                                close(fd);
+                        return r;
+                }
+                close(fd);
+        }
+        return 0;
+}
+
+int cache_put(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len, bool durable) {
+        char *tmp = NULL;
+        int r;
+
+        r = tmp_write(c, tag, object, len, durable, &tmp);
+        if (r < 0)
+                return r;
+        r = tmp_install(c, tag, tmp, durable);
+        if (r < 0)
+                unlink(tmp);
+        else
+                index_insert(c, tag, len);
+        free(tmp);
+        return r;
+}
+
+int cache_batch_new(Cache *c, CacheBatch **ret) {
+        CacheBatch *b = calloc(1, sizeof(*b));
+
+        if (!b)
+                return -ENOMEM;
+        b->cache = c;
+        *ret = b;
+        return 0;
+}
+
+int cache_batch_add(CacheBatch *b, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len) {
+        BatchEntry *e;
+        int r;
+
+        if (b->n == b->capacity) {
+                size_t capacity = b->capacity ? b->capacity * 2 : 16;
+                BatchEntry *p = realloc(b->entries, capacity * sizeof(*p));
+
+                if (!p)
+                        return -ENOMEM;
+                b->entries = p;
+                b->capacity = capacity;
+        }
+        e = &b->entries[b->n];
+        memcpy(e->tag, tag, CACHE_TAG_LEN);
+        e->len = len;
+        r = tmp_write(b->cache, tag, object, len, false, &e->tmp_path);
+        if (r < 0)
+                return r;
+        b->n++;
+        return 0;
+}
+
+/* fsync()s the file or directory at path. */
+static int sync_path(const char *path, int flags) {
+        int fd, r = 0;
+
+        fd = open(path, flags | O_CLOEXEC);
+        if (fd < 0)
+                return -errno;
+        if (fsync(fd) < 0)
+                r = -errno;
+        close(fd);
+        return r;
+}
+
+/*
+ * A small batch (a guest flush of a few chunks) syncs its files and their directories one by one; a large
+ * one (the background flusher, a suspend) uses one syncfs() for every temporary file and one more for
+ * every rename, which costs the same for 4 or 4000 files but also flushes whatever else is on the file
+ * system.
+ */
+int cache_batch_commit(CacheBatch *b) {
+        Cache *c = b->cache;
+        bool small = b->n <= BATCH_SMALL;
+        int r;
+
+        if (b->n == 0)
+                return 0;
+        for (size_t i = 0; small && i < b->n; i++) {
+                r = sync_path(b->entries[i].tmp_path, O_RDONLY);
+                if (r < 0) {
+                        log_error("failed to sync %s: %s", b->entries[i].tmp_path, strerror(-r));
+                        return r;
+                }
+        }
+        if (!small && syncfs(c->dir_fd) < 0) {
+                r = -errno;
+                log_error("failed to sync cache %s: %s", c->dir, strerror(-r));
+                return r;
+        }
+        for (size_t i = 0; i < b->n; i++) {
+                r = tmp_install(c, b->entries[i].tag, b->entries[i].tmp_path, small);
+                if (r < 0)
+                        return r;
+                free(b->entries[i].tmp_path);
+                b->entries[i].tmp_path = NULL;
+        }
+        if (!small && syncfs(c->dir_fd) < 0) {
+                r = -errno;
+                log_error("failed to sync cache %s: %s", c->dir, strerror(-r));
+                return r;
+        }
+        for (size_t i = 0; i < b->n; i++)
+                index_insert(c, b->entries[i].tag, b->entries[i].len);
+        return 0;
+}
+
+CacheBatch *cache_batch_free(CacheBatch *b) {
+        if (!b)
+                return NULL;
+        for (size_t i = 0; i < b->n; i++) {
+                if (b->entries[i].tmp_path) {
+                        unlink(b->entries[i].tmp_path);
+                        free(b->entries[i].tmp_path);
+                }
+        }
+        free(b->entries);
+        free(b);
+        return NULL;
+}

@@ -1,0 +1,59 @@
+/* SPDX-License-Identifier: GPL-2.0-or-later */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define CACHE_TAG_LEN 32
+
+typedef struct Cache Cache;
+typedef struct CacheBatch CacheBatch;
+
+/*
+ * Opens (creating if needed) the persistent chunk cache in dir: chunk objects (ciphertext only) in
+ * dir/chunks/ab/cd/<tag hex>, the same layout as a parcel store, so that a cache directory can serve as
+ * another machine's lookaside source.  The sqlite index dir/index.sqlite is rebuilt from the files if it
+ * is missing or damaged.
+ */
+int cache_open(const char *dir, Cache **ret);
+Cache *cache_free(Cache *c);
+
+const char *cache_dir(const Cache *c);
+
+/*
+ * Reads the object named tag and verifies its SHA-256.  Returns -ENOENT if absent, and -EBADMSG if the
+ * file failed verification: it has then been moved to dir/quarantine/ and the caller fetches it again.
+ * The object is malloc()ed.
+ */
+int cache_get(Cache *c, const uint8_t tag[CACHE_TAG_LEN], uint8_t **ret_object, size_t *ret_len);
+
+/* True if an object file for tag exists (not verified). */
+bool cache_has(Cache *c, const uint8_t tag[CACHE_TAG_LEN]);
+
+/*
+ * Stores an object the caller has verified (or just encoded) under its tag: temporary file, then rename.
+ * With durable, the file is fsync()ed before and its directory after the rename.  An existing file is
+ * replaced, never trusted: a crash can leave a torn file under a tag name that is only found on read.
+ */
+int cache_put(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len, bool durable);
+
+/* Moves a bad object out of the way (to dir/quarantine/<tag>.<time>) and drops it from the index. */
+int cache_quarantine(Cache *c, const uint8_t tag[CACHE_TAG_LEN]);
+
+/*
+ * Batches make many new objects durable together: cache_batch_add() writes a temporary file,
+ * cache_batch_commit() syncs the files (one by one, or the whole file system for a large batch), renames
+ * every file into place and syncs the directories.  After commit returns, every object of the batch survives a crash; before, none is visible
+ * under its name.  Freeing an uncommitted batch removes its temporary files.
+ */
+int cache_batch_new(Cache *c, CacheBatch **ret);
+int cache_batch_add(CacheBatch *b, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len);
+int cache_batch_commit(CacheBatch *b);
+CacheBatch *cache_batch_free(CacheBatch *b);
+
+/* Rebuilds the index from the object files (run automatically when the index is lost or damaged). */
+int cache_rebuild_index(Cache *c);
+
+/* Objects and bytes according to the index. */
+int cache_usage(Cache *c, uint64_t *ret_objects, uint64_t *ret_bytes);

@@ -1,0 +1,296 @@
+/* SPDX-License-Identifier: GPL-2.0-or-later */
+/*
+ * The daemon's parts and their order: statistics, trace, cache, lookaside, fetcher, the two images,
+ * hoard and writeback, set up and torn down in one place, plus the status report that the stats file and
+ * the control socket serve.
+ *
+ * Threading: the accessors are safe from any thread; daemon_new() and daemon_free() run alone.
+ */
+#define _GNU_SOURCE
+#include "daemon.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "crypto.h"
+#include "log.h"
+
+struct Daemon {
+        Stats stats;
+        uint8_t keys[DAEMON_KEYS_LEN];
+        Trace *trace;
+        Cache *cache;
+        Lookaside *lookaside;
+        Fetcher *fetcher;
+        Image *images[_DAEMON_IMAGE_MAX];
+        Hoard *hoard;
+        Writeback *writeback;
+        uint32_t chunk_size;
+};
+
+static const char *const image_names[_DAEMON_IMAGE_MAX] = { "disk", "memory" };
+
+const char *daemon_image_name(DaemonImage id) {
+        return id < _DAEMON_IMAGE_MAX ? image_names[id] : "?";
+}
+
+Image *daemon_image(Daemon *d, DaemonImage id) {
+        return d->images[id];
+}
+
+Hoard *daemon_hoard(Daemon *d) {
+        return d->hoard;
+}
+
+Writeback *daemon_writeback(Daemon *d) {
+        return d->writeback;
+}
+
+Trace *daemon_trace(Daemon *d) {
+        return d->trace;
+}
+
+int daemon_new(const DaemonConfig *config, Daemon **ret) {
+        char path[PATH_MAX];
+        Daemon *d;
+        int r;
+
+        d = calloc(1, sizeof(*d));
+        if (!d)
+                return -ENOMEM;
+        memcpy(d->keys, config->keys, DAEMON_KEYS_LEN);
+
+        r = trace_new(&d->trace);
+        if (r < 0)
+                goto out_free;
+        r = cache_open(config->cache_dir, &d->cache);
+        if (r < 0)
+                goto out_free;
+        r = lookaside_new(config->lookaside, config->n_lookaside, &d->stats, &d->lookaside);
+        if (r < 0)
+                goto out_free;
+        if (config->server_url) {
+                FetchConfig fc = {
+                        .server_url = config->server_url,
+                        .token_file = config->token_file,
+                        .ca_file = config->ca_file,
+                        .pinned_key = config->pinned_key,
+                        .max_transfers = config->max_transfers,
+                        .offline = config->offline,
+                };
+
+                r = fetch_new(&fc, &d->stats, &d->fetcher);
+                if (r < 0) {
+                        log_error("failed to set up the connection to %s: %s", config->server_url, strerror(-r));
+                        goto out_free;
+                }
+        }
+
+        ImageSources sources = {
+                .cache = d->cache,
+                .lookaside = d->lookaside,
+                .fetcher = d->fetcher,
+                .stats = &d->stats,
+                .trace = d->trace,
+                .parcel_key = d->keys,
+                .secret = d->keys + 32,
+        };
+        for (int i = 0; i < _DAEMON_IMAGE_MAX; i++) {
+                snprintf(path, sizeof(path), "%s/keyring.%s", config->state_dir, image_names[i]);
+                r = image_open(image_names[i], path, &sources, config->ram_cache_bytes, config->flush_interval_ms,
+                               &d->images[i]);
+                if (r < 0) {
+                        log_error("failed to open the %s image from %s: %s", image_names[i], path, strerror(-r));
+                        goto out_free;
+                }
+        }
+        d->chunk_size = image_chunk_size(d->images[DAEMON_IMAGE_DISK]);
+
+        if (d->fetcher) {
+                snprintf(path, sizeof(path), "%s/hoard.request", config->state_dir);
+                r = hoard_new(d->images, _DAEMON_IMAGE_MAX, d->cache, d->fetcher, path, config->hoard_window,
+                              &d->hoard);
+                if (r < 0)
+                        goto out_free;
+                r = writeback_new(d->images, _DAEMON_IMAGE_MAX, d->cache, d->fetcher, &d->writeback);
+                if (r < 0)
+                        goto out_free;
+        }
+        if (config->trace_path) {
+                r = daemon_trace_start(d, config->trace_path);
+                if (r < 0)
+                        goto out_free;
+        }
+        *ret = d;
+        return 0;
+
+out_free:
+        daemon_free(d);
+        return r;
+}
+
+Daemon *daemon_free(Daemon *d) {
+        if (!d)
+                return NULL;
+        for (int i = 0; i < _DAEMON_IMAGE_MAX; i++)
+                if (d->images[i] && image_flush(d->images[i]) < 0)
+                        log_error("failed to flush the %s image at exit: writes since the last flush are lost",
+                                  image_names[i]);
+        if (d->hoard)
+                hoard_halt(d->hoard);
+        if (d->writeback)
+                writeback_halt(d->writeback);
+        d->fetcher = fetch_free(d->fetcher);
+        d->hoard = hoard_free(d->hoard);
+        d->writeback = writeback_free(d->writeback);
+        for (int i = 0; i < _DAEMON_IMAGE_MAX; i++)
+                d->images[i] = image_free(d->images[i]);
+        d->lookaside = lookaside_free(d->lookaside);
+        d->cache = cache_free(d->cache);
+        d->trace = trace_free(d->trace);
+        crypto_wipe(d->keys, sizeof(d->keys));
+        free(d);
+        return NULL;
+}
+
+int daemon_start_background(Daemon *d) {
+        return d->hoard ? hoard_resume(d->hoard) : 0;
+}
+
+int daemon_flush(Daemon *d) {
+        int r = 0;
+
+        for (int i = 0; i < _DAEMON_IMAGE_MAX; i++) {
+                int q = image_flush(d->images[i]);
+
+                if (q < 0 && r == 0)
+                        r = q;
+        }
+        return r;
+}
+
+int daemon_set_offline(Daemon *d, bool offline) {
+        if (!d->fetcher)
+                return -ENOTCONN;
+        fetch_set_offline(d->fetcher, offline);
+        log_info("%s", offline ? "offline: server requests wait" : "online");
+        return 0;
+}
+
+int daemon_trace_start(Daemon *d, const char *path) {
+        return trace_start(d->trace, path, d->chunk_size);
+}
+
+/* --- status report ---------------------------------------------------------------------------------- */
+
+static void json_string(FILE *f, const char *s) {
+        fputc('"', f);
+        for (; s && *s; s++) {
+                unsigned char c = (unsigned char) *s;
+
+                if (c == '"' || c == '\\')
+                        fprintf(f, "\\%c", c);
+                else if (c < 0x20)
+                        fprintf(f, "\\u%04x", c);
+                else
+                        fputc(c, f);
+        }
+        fputc('"', f);
+}
+
+#define U(x) ((unsigned long long) (x))
+
+int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
+        Stats *s = &d->stats;
+        char *text = NULL;
+        size_t len = 0;
+        uint64_t objects = 0, bytes = 0;
+        FILE *f;
+
+        f = open_memstream(&text, &len);
+        if (!f)
+                return -ENOMEM;
+        fputs("{\"images\":{", f);
+        for (int i = 0; i < _DAEMON_IMAGE_MAX; i++) {
+                ImageStatus st;
+
+                image_status(d->images[i], &st);
+                fprintf(f,
+                        "%s\"%s\":{\"size\":%llu,\"chunk_size\":%u,\"chunks\":%llu,\"records\":%llu,\"ram_bytes\":%llu,"
+                        "\"dirty_chunks\":%llu,\"changed_chunks\":%llu,\"pending_uploads\":%llu,\"flush_error\":%d}",
+                        i ? "," : "", image_names[i], U(st.size), st.chunk_size, U(st.chunks), U(st.records),
+                        U(st.ram_bytes), U(st.dirty_chunks), U(st.changed_chunks), U(st.pending_uploads),
+                        st.flush_error);
+        }
+        fprintf(f,
+                "},\"io\":{\"bytes_read\":%llu,\"bytes_written\":%llu,\"chunks_read\":%llu,\"chunks_written\":%llu},"
+                "\"errors\":%llu,\"misses\":%llu,\"hits\":{",
+                U(stats_get(&s->bytes_read)), U(stats_get(&s->bytes_written)), U(stats_get(&s->chunks_read)),
+                U(stats_get(&s->chunks_written)), U(stats_get(&s->errors)), U(stats_get(&s->misses)));
+        for (int t = 0; t < _STATS_TIER_MAX; t++)
+                fprintf(f, "%s\"%s\":%llu", t ? "," : "", stats_tier_name((StatsTier) t), U(stats_get(&s->hits[t])));
+        fprintf(f, "},\"fetch\":{\"fetches\":%llu,\"bytes\":%llu,\"retries\":%llu,\"bad\":%llu,\"latency_us\":[",
+                U(stats_get(&s->fetches)), U(stats_get(&s->fetch_bytes)), U(stats_get(&s->fetch_retries)),
+                U(stats_get(&s->fetch_bad)));
+        for (size_t b = 0; b < STATS_LATENCY_BUCKETS; b++) {
+                uint64_t bound = stats_latency_bound(b);
+
+                if (bound == UINT64_MAX)
+                        fprintf(f, "%s{\"le\":null,\"count\":%llu}", b ? "," : "", U(stats_get(&s->latency[b])));
+                else
+                        fprintf(f, "%s{\"le\":%llu,\"count\":%llu}", b ? "," : "", U(bound),
+                                U(stats_get(&s->latency[b])));
+        }
+        fputs("]", f);
+        if (d->fetcher) {
+                FetchStatus fs;
+
+                fetch_status(d->fetcher, &fs);
+                fprintf(f,
+                        ",\"server\":true,\"offline\":%s,\"waiting\":%s,\"waiting_seconds\":%llu,\"queued_demand\":%u,"
+                        "\"queued_hoard\":%u,\"active\":%u,\"uploads_queued\":%u,\"last_error\":",
+                        fs.offline ? "true" : "false", fs.waiting ? "true" : "false", U(fs.waiting_seconds),
+                        fs.queued[FETCH_DEMAND], fs.queued[FETCH_HOARD], fs.active, fs.uploads);
+                json_string(f, fs.last_error);
+        } else {
+                fputs(",\"server\":false,\"offline\":true,\"waiting\":false", f);
+        }
+        cache_usage(d->cache, &objects, &bytes);
+        fprintf(f, "},\"cache\":{\"dir\":");
+        json_string(f, cache_dir(d->cache));
+        fprintf(f, ",\"objects\":%llu,\"bytes\":%llu,\"quarantined\":%llu},\"lookaside_bad\":%llu,"
+                   "\"flush\":{\"flushes\":%llu,\"chunks\":%llu}",
+                U(objects), U(bytes), U(stats_get(&s->quarantined)), U(stats_get(&s->lookaside_bad)),
+                U(stats_get(&s->flushes)), U(stats_get(&s->chunks_flushed)));
+        if (d->hoard) {
+                HoardProgress p;
+
+                hoard_progress(d->hoard, &p);
+                fprintf(f,
+                        ",\"hoard\":{\"state\":\"%s\",\"chunks_done\":%llu,\"chunks_total\":%llu,\"chunks_failed\":%llu,"
+                        "\"bytes_done\":%llu,\"bytes_total\":%llu,\"bytes_fetched\":%llu,\"seconds\":%.3f}",
+                        hoard_state_name(p.state), U(p.chunks_done), U(p.chunks_total), U(p.chunks_failed),
+                        U(p.bytes_done), U(p.bytes_total), U(p.bytes_fetched), p.seconds);
+        }
+        if (d->writeback) {
+                WritebackStatus w;
+
+                writeback_status(d->writeback, &w);
+                fprintf(f,
+                        ",\"writeback\":{\"trickle\":%s,\"rate\":%llu,\"uploading\":%s,\"uploaded_chunks\":%llu,"
+                        "\"uploaded_bytes\":%llu,\"failed\":%llu}",
+                        w.trickle ? "true" : "false", U(w.rate), w.uploading ? "true" : "false",
+                        U(w.uploaded_chunks), U(w.uploaded_bytes), U(w.failed));
+        }
+        fprintf(f, ",\"trace\":{\"active\":%s}}\n", trace_active(d->trace) ? "true" : "false");
+        if (fclose(f) != 0) {
+                free(text);
+                return -ENOMEM;
+        }
+        *ret_text = text;
+        *ret_len = len;
+        return 0;
+}

@@ -1,0 +1,922 @@
+/* SPDX-License-Identifier: GPL-2.0-or-later */
+/*
+ * Talking to the server: chunk GETs and PUTs over HTTPS.  The only file that includes libcurl.
+ *
+ * One thread drives one curl multi handle, so connections (and their TLS sessions) are reused and, over
+ * HTTP/2, every transfer is a stream on one connection.  Requests wait in one queue per priority; the
+ * thread starts demand requests first, then uploads, and hoard requests only while fewer than
+ * hoard_transfers are running, so a guest read never queues behind a hoard.  A GET for a tag that is
+ * already queued or in flight gets the existing request's result (one transfer, many waiters).
+ *
+ * Failures are sorted into transient (cannot connect, timeout, reset, 5xx, 429, 408, 401 after re-reading
+ * the token, TLS trouble) and definitive (404/410: the chunk exists nowhere; bytes that fail the tag check
+ * three times; other 4xx).  Transient ones are retried forever with capped exponential backoff, and the
+ * status says the fetcher is waiting: a network outage must stall the guest, never fail its I/O.
+ *
+ * Redirects are followed by hand: a redirect to another origin (a presigned S3 URL) is requested without
+ * the bearer token and without the server's pinned CA or key (its bytes are verified by tag anyway), so the
+ * token never leaves the server it belongs to.
+ *
+ * Threading: the public functions may be called from any thread; callbacks run on the fetch thread and must
+ * not call back into the fetcher's blocking functions.
+ */
+#define _GNU_SOURCE
+#include "fetch.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <curl/curl.h>
+
+#include "chunk.h"
+#include "file.h"
+#include "hex.h"
+#include "log.h"
+
+enum {
+        BAD_BYTES_LIMIT = 3,               /* attempts that returned wrong bytes before giving up */
+        REDIRECT_LIMIT = 5,
+        BACKOFF_INITIAL_MS = 100,
+        CONNECT_TIMEOUT_S = 10,
+        LOW_SPEED_TIME_S = 20,             /* a transfer that moves nothing this long is aborted and retried */
+        TOKEN_MAX = 4096,
+        OBJECT_MAX = CHUNK_SIZE_MAX + CHUNK_OVERHEAD,
+};
+
+typedef enum RequestKind {
+        REQUEST_GET,
+        REQUEST_PUT,
+} RequestKind;
+
+/* The queues: one per priority for GETs, one for uploads, and the running transfers. */
+enum {
+        QUEUE_DEMAND = FETCH_DEMAND,
+        QUEUE_HOARD = FETCH_HOARD,
+        QUEUE_UPLOAD,
+        QUEUE_ACTIVE,
+        _QUEUE_MAX,
+};
+
+typedef struct Waiter {
+        FetchDone done;
+        void *userdata;
+        struct Waiter *next;
+} Waiter;
+
+typedef struct Request {
+        struct Request *prev, *next;
+        int queue;
+        RequestKind kind;
+        FetchPriority priority;
+        uint8_t tag[FETCH_TAG_LEN];
+        char hex[FETCH_TAG_LEN * 2 + 1];
+        Waiter *waiters;
+
+        CURL *easy;
+        struct curl_slist *headers;
+        uint8_t *body;                     /* GET: the response; PUT: the object to send */
+        size_t body_len, body_capacity, sent;
+        bool overflow;
+        uint64_t max_rate;
+
+        char *redirect_url;                /* follow-up location after a redirect */
+        bool foreign;                      /* redirect_url is another origin: no token, no pin */
+        unsigned redirects;
+
+        unsigned attempts, bad;
+        uint64_t not_before_us;            /* backing off until then */
+        uint64_t created_us;
+        uint64_t waiting_since_us;         /* first transient failure of the current run, 0 if none */
+} Request;
+
+typedef struct List {
+        Request *head, *tail;
+        unsigned n;
+} List;
+
+struct Fetcher {
+        FetchConfig config;
+        char *server_url;
+        char *ca_file;
+        char *pinned_key;
+        char *token_file;
+        char *auth_header;                 /* "Authorization: Bearer ..." */
+        Stats *stats;
+
+        pthread_mutex_t lock;
+        List queues[_QUEUE_MAX];
+        unsigned active_hoard, active_upload;
+        bool offline;
+        bool stopping;
+        bool outage_logged;
+        char last_error[200];
+
+        CURLM *multi;
+        pthread_t thread;
+        bool thread_started;
+};
+
+static uint64_t now_us(void) {
+        struct timespec ts;
+
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (uint64_t) ts.tv_sec * 1000000u + (uint64_t) ts.tv_nsec / 1000u;
+}
+
+/* --- lists ------------------------------------------------------------------------------------------ */
+
+static void list_append(List *l, Request *r, int queue) {
+        r->prev = l->tail;
+        r->next = NULL;
+        if (l->tail)
+                l->tail->next = r;
+        else
+                l->head = r;
+        l->tail = r;
+        l->n++;
+        r->queue = queue;
+}
+
+static void list_remove(List *l, Request *r) {
+        if (r->prev)
+                r->prev->next = r->next;
+        else
+                l->head = r->next;
+        if (r->next)
+                r->next->prev = r->prev;
+        else
+                l->tail = r->prev;
+        r->prev = r->next = NULL;
+        l->n--;
+}
+
+static void request_move(Fetcher *f, Request *r, int queue) {
+        list_remove(&f->queues[r->queue], r);
+        list_append(&f->queues[queue], r, queue);
+}
+
+static Request *get_find(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN]) {
+        static const int searched[] = { QUEUE_DEMAND, QUEUE_HOARD, QUEUE_ACTIVE };
+
+        for (size_t i = 0; i < sizeof(searched) / sizeof(searched[0]); i++)
+                for (Request *r = f->queues[searched[i]].head; r; r = r->next)
+                        if (r->kind == REQUEST_GET && memcmp(r->tag, tag, FETCH_TAG_LEN) == 0)
+                                return r;
+        return NULL;
+}
+
+static Request *request_free(Request *r) {
+        if (!r)
+                return NULL;
+        while (r->waiters) {
+                Waiter *w = r->waiters;
+
+                r->waiters = w->next;
+                free(w);
+        }
+        curl_slist_free_all(r->headers);
+        free(r->body);
+        free(r->redirect_url);
+        free(r);
+        return NULL;
+}
+
+/* --- configuration ---------------------------------------------------------------------------------- */
+
+/* Reads the token file into auth_header; 0 if it changed, 1 if unchanged. */
+static int token_load(Fetcher *f) {
+        uint8_t *data = NULL;
+        size_t len = 0;
+        char *header = NULL;
+        int r;
+
+        r = file_read_all(f->token_file, TOKEN_MAX, &data, &len);
+        if (r < 0)
+                return r;
+        while (len > 0 && (data[len - 1] == '\n' || data[len - 1] == '\r' || data[len - 1] == ' '))
+                data[--len] = 0;
+        if (len == 0 || memchr(data, '\n', len) || memchr(data, '\r', len) || strlen((char *) data) != len) {
+                log_error("failed to read token file %s: it must hold one line", f->token_file);
+                free(data);
+                return -EINVAL;
+        }
+        if (asprintf(&header, "Authorization: Bearer %s", (char *) data) < 0) {
+                free(data);
+                return -ENOMEM;
+        }
+        free(data);
+        if (f->auth_header && strcmp(f->auth_header, header) == 0) {
+                free(header);
+                return 1;
+        }
+        free(f->auth_header);
+        f->auth_header = header;
+        return 0;
+}
+
+/* scheme://host[:port] of url, for comparing origins. */
+static size_t origin_len(const char *url) {
+        const char *p = strstr(url, "://");
+
+        if (!p)
+                return strlen(url);
+        p += 3;
+        return (size_t) (p - url) + strcspn(p, "/?#");
+}
+
+static bool same_origin(const char *a, const char *b) {
+        size_t la = origin_len(a), lb = origin_len(b);
+
+        return la == lb && strncasecmp(a, b, la) == 0;
+}
+
+/* --- transfers -------------------------------------------------------------------------------------- */
+
+static size_t on_body(char *data, size_t size, size_t nmemb, void *userdata) {
+        Request *r = userdata;
+        size_t len = size * nmemb;
+
+        if (r->body_len + len > OBJECT_MAX) {
+                r->overflow = true;
+                return 0;
+        }
+        if (r->body_len + len > r->body_capacity) {
+                size_t capacity = r->body_capacity ? r->body_capacity : 65536;
+                uint8_t *p;
+
+                while (capacity < r->body_len + len)
+                        capacity *= 2;
+                p = realloc(r->body, capacity);
+                if (!p)
+                        return 0;
+                r->body = p;
+                r->body_capacity = capacity;
+        }
+        memcpy(r->body + r->body_len, data, len);
+        r->body_len += len;
+        return len;
+}
+
+static size_t on_discard(char *data, size_t size, size_t nmemb, void *userdata) {
+        (void) data;
+        (void) userdata;
+        return size * nmemb;
+}
+
+static size_t on_upload(char *buffer, size_t size, size_t nitems, void *userdata) {
+        Request *r = userdata;
+        size_t n = size * nitems;
+
+        if (n > r->body_len - r->sent)
+                n = r->body_len - r->sent;
+        memcpy(buffer, r->body + r->sent, n);
+        r->sent += n;
+        return n;
+}
+
+#define SETOPT(easy, opt, value)                                                                    \
+        do {                                                                                        \
+                CURLcode _c = curl_easy_setopt((easy), (opt), (value));                             \
+                if (_c != CURLE_OK) {                                                               \
+                        log_error("failed to set %s on a transfer: %s", #opt, curl_easy_strerror(_c)); \
+                        return -EINVAL;                                                             \
+                }                                                                                   \
+        } while (0)
+
+/* Builds the easy handle for the next attempt of r. */
+static int transfer_setup(Fetcher *f, Request *r) {
+        char url[4096];
+        CURL *e;
+
+        e = curl_easy_init();
+        if (!e)
+                return -ENOMEM;
+        r->easy = e;
+        if (r->redirect_url)
+                snprintf(url, sizeof(url), "%s", r->redirect_url);
+        else
+                snprintf(url, sizeof(url), "%s/v1/chunks/%s", f->server_url, r->hex);
+
+        SETOPT(e, CURLOPT_URL, url);
+        SETOPT(e, CURLOPT_PRIVATE, r);
+        SETOPT(e, CURLOPT_PROTOCOLS_STR, "https,http");
+        SETOPT(e, CURLOPT_FOLLOWLOCATION, 0L);
+        SETOPT(e, CURLOPT_HTTP_VERSION, (long) CURL_HTTP_VERSION_2TLS);
+        SETOPT(e, CURLOPT_PIPEWAIT, 1L);
+        SETOPT(e, CURLOPT_NOSIGNAL, 1L);
+        SETOPT(e, CURLOPT_CONNECTTIMEOUT, (long) CONNECT_TIMEOUT_S);
+        SETOPT(e, CURLOPT_LOW_SPEED_LIMIT, 1L);
+        SETOPT(e, CURLOPT_LOW_SPEED_TIME, (long) LOW_SPEED_TIME_S);
+        SETOPT(e, CURLOPT_TCP_KEEPALIVE, 1L);
+        SETOPT(e, CURLOPT_USERAGENT, "vulpes/0.1");
+
+        curl_slist_free_all(r->headers);
+        r->headers = NULL;
+        if (!r->foreign) {
+                /* The token goes only to the configured server, as a header we set per request. */
+                r->headers = curl_slist_append(NULL, f->auth_header);
+                if (!r->headers)
+                        return -ENOMEM;
+                SETOPT(e, CURLOPT_HTTPHEADER, r->headers);
+                if (f->ca_file)
+                        SETOPT(e, CURLOPT_CAINFO, f->ca_file);
+                if (f->pinned_key) {
+                        SETOPT(e, CURLOPT_PINNEDPUBLICKEY, f->pinned_key);
+                        if (!f->ca_file) {
+                                /* The pin alone authenticates the server (self-signed certificates). */
+                                SETOPT(e, CURLOPT_SSL_VERIFYPEER, 0L);
+                                SETOPT(e, CURLOPT_SSL_VERIFYHOST, 0L);
+                        }
+                }
+        }
+
+        if (r->kind == REQUEST_GET) {
+                r->body_len = 0;
+                r->overflow = false;
+                SETOPT(e, CURLOPT_WRITEFUNCTION, on_body);
+                SETOPT(e, CURLOPT_WRITEDATA, r);
+        } else {
+                r->sent = 0;
+                SETOPT(e, CURLOPT_UPLOAD, 1L);
+                SETOPT(e, CURLOPT_READFUNCTION, on_upload);
+                SETOPT(e, CURLOPT_READDATA, r);
+                SETOPT(e, CURLOPT_INFILESIZE_LARGE, (curl_off_t) r->body_len);
+                SETOPT(e, CURLOPT_WRITEFUNCTION, on_discard);
+                if (r->max_rate)
+                        SETOPT(e, CURLOPT_MAX_SEND_SPEED_LARGE, (curl_off_t) r->max_rate);
+        }
+        return 0;
+}
+
+static void transfer_cleanup(Fetcher *f, Request *r) {
+        if (r->easy) {
+                curl_multi_remove_handle(f->multi, r->easy);
+                curl_easy_cleanup(r->easy);
+                r->easy = NULL;
+        }
+}
+
+/* Takes r out of the lists and hands its result to every waiter; called without the lock held. */
+static void request_complete(Fetcher *f, Request *r, int result) {
+        Waiter *w;
+
+        if (r->kind == REQUEST_GET && result == 0) {
+                stats_add(&f->stats->fetches, 1);
+                stats_add(&f->stats->fetch_bytes, r->body_len);
+                stats_add_latency(f->stats, now_us() - r->created_us);
+        } else if (r->kind == REQUEST_PUT && result == 0) {
+                stats_add(&f->stats->uploads, 1);
+                stats_add(&f->stats->upload_bytes, r->body_len);
+        }
+        for (w = r->waiters; w; w = w->next)
+                w->done(result, result == 0 && r->kind == REQUEST_GET ? r->body : NULL,
+                        result == 0 && r->kind == REQUEST_GET ? r->body_len : 0, w->userdata);
+        request_free(r);
+}
+
+static uint64_t backoff_us(Fetcher *f, unsigned attempts) {
+        uint64_t ms = BACKOFF_INITIAL_MS;
+
+        while (attempts-- > 1 && ms < f->config.backoff_max_ms)
+                ms *= 2;
+        if (ms > f->config.backoff_max_ms)
+                ms = f->config.backoff_max_ms;
+        /* Up to 25 % jitter, so that many waiting requests do not retry in lockstep. */
+        return ms * 1000u + (uint64_t) (rand() % (int) (ms * 250 + 1));
+}
+
+/* Puts r back in its queue to retry after a transient failure; with the lock held. */
+static void request_retry_locked(Fetcher *f, Request *r, const char *why, bool outage) {
+        uint64_t now = now_us();
+
+        stats_add(&f->stats->fetch_retries, 1);
+        snprintf(f->last_error, sizeof(f->last_error), "%s", why);
+        if (!outage) {
+                /* Bad bytes: ask again at once (logged per attempt by the caller); not an outage. */
+                r->not_before_us = 0;
+                request_move(f, r, r->kind == REQUEST_PUT ? QUEUE_UPLOAD : (int) r->priority);
+                return;
+        }
+        r->attempts++;
+        r->not_before_us = now + backoff_us(f, r->attempts);
+        if (!r->waiting_since_us)
+                r->waiting_since_us = now;
+        if (!f->outage_logged) {
+                log_warning("server trouble (%s): retrying, reads wait", why);
+                f->outage_logged = true;
+        }
+        request_move(f, r, r->kind == REQUEST_PUT ? QUEUE_UPLOAD : (int) r->priority);
+}
+
+/*
+ * Decides what one finished transfer means.  Returns 1 if r is complete (result in *ret_result), 2 to
+ * follow a redirect, 0 to retry after a transient failure, 3 to retry at once after bad bytes.
+ */
+static int transfer_finish(Fetcher *f, Request *r, CURLcode code, int *ret_result) {
+        long status = 0;
+        char why[160];
+        char *location = NULL;
+
+        curl_easy_getinfo(r->easy, CURLINFO_RESPONSE_CODE, &status);
+
+        if (code != CURLE_OK && !(code == CURLE_WRITE_ERROR && r->overflow)) {
+                switch (code) {
+                case CURLE_UNSUPPORTED_PROTOCOL:
+                case CURLE_URL_MALFORMAT:
+                case CURLE_NOT_BUILT_IN:
+                        log_error("failed to fetch chunk %s: %s", r->hex, curl_easy_strerror(code));
+                        *ret_result = -EIO;
+                        return 1;
+                case CURLE_PEER_FAILED_VERIFICATION:
+                case CURLE_SSL_PINNEDPUBKEYNOTMATCH:
+                case CURLE_SSL_CACERT_BADFILE:
+                        if (!f->outage_logged)
+                                log_error("server certificate rejected (%s): not talking to it, retrying",
+                                          curl_easy_strerror(code));
+                        f->outage_logged = true;
+                        /* fall through */
+                default:
+                        snprintf(why, sizeof(why), "%s", curl_easy_strerror(code));
+                        return 0;
+                }
+        }
+        if (r->overflow) {
+                r->bad++;
+                stats_add(&f->stats->fetch_bad, 1);
+                snprintf(why, sizeof(why), "response for %s larger than any chunk object", r->hex);
+                goto bad_bytes;
+        }
+
+        if (status >= 300 && status < 400 && status != 304) {
+                curl_easy_getinfo(r->easy, CURLINFO_REDIRECT_URL, &location);
+                if (!location || ++r->redirects > REDIRECT_LIMIT) {
+                        log_error("failed to fetch chunk %s: bad redirect (HTTP %ld)", r->hex, status);
+                        *ret_result = -EIO;
+                        return 1;
+                }
+                char *copy = strdup(location);
+
+                if (!copy) {
+                        *ret_result = -ENOMEM;
+                        return 1;
+                }
+                /* Once the chain has left the server's origin it never gets the token back. */
+                r->foreign = r->foreign || !same_origin(copy, f->server_url);
+                free(r->redirect_url);
+                r->redirect_url = copy;
+                return 2;
+        }
+        /* A redirect's target answers for one attempt only; the next attempt asks the server again. */
+        free(r->redirect_url);
+        r->redirect_url = NULL;
+        r->foreign = false;
+        r->redirects = 0;
+
+        if (r->kind == REQUEST_PUT) {
+                if (status == 200 || status == 201) {
+                        *ret_result = 0;
+                        return 1;
+                }
+                if (status == 422) {
+                        log_error("failed to upload chunk %s: the server refused its bytes (HTTP 422)", r->hex);
+                        *ret_result = -EBADMSG;
+                        return 1;
+                }
+        } else if (status == 200) {
+                if (chunk_verify_tag(r->body, r->body_len, r->tag) == 0) {
+                        *ret_result = 0;
+                        return 1;
+                }
+                r->bad++;
+                stats_add(&f->stats->fetch_bad, 1);
+                snprintf(why, sizeof(why), "chunk %s: the server sent bytes that do not match the tag", r->hex);
+                goto bad_bytes;
+        } else if (status == 404 || status == 410) {
+                *ret_result = -ENOENT;
+                return 1;
+        }
+
+        if (status == 401 && token_load(f) < 0) {
+                snprintf(why, sizeof(why), "HTTP 401 and the token file cannot be read");
+                return 0;
+        }
+        if (status == 401 || status == 403 || status == 408 || status == 429 || status >= 500) {
+                snprintf(why, sizeof(why), "HTTP %ld", status);
+                snprintf(f->last_error, sizeof(f->last_error), "%s", why);
+                return 0;
+        }
+        log_error("failed to %s chunk %s: HTTP %ld", r->kind == REQUEST_GET ? "fetch" : "upload", r->hex, status);
+        *ret_result = -EIO;
+        return 1;
+
+bad_bytes:
+        log_warning("%s (attempt %u)", why, r->bad);
+        snprintf(f->last_error, sizeof(f->last_error), "%s", why);
+        if (r->bad >= BAD_BYTES_LIMIT) {
+                *ret_result = -EBADMSG;
+                return 1;
+        }
+        return 3;
+}
+
+/* Starts every queued request that may start now; with the lock held.  Returns the µs until the next
+ * backed-off request becomes ready (or a default poll interval). */
+static uint64_t start_ready_locked(Fetcher *f) {
+        uint64_t now = now_us(), next = 1000000;
+        static const int order[] = { QUEUE_DEMAND, QUEUE_UPLOAD, QUEUE_HOARD };
+
+        if (f->offline)
+                return next;
+        for (size_t q = 0; q < sizeof(order) / sizeof(order[0]); q++) {
+                Request *r = f->queues[order[q]].head;
+
+                while (r) {
+                        Request *following = r->next;
+
+                        if (f->queues[QUEUE_ACTIVE].n >= f->config.max_transfers)
+                                return next;
+                        if (order[q] == QUEUE_HOARD && f->active_hoard >= f->config.hoard_transfers)
+                                break;
+                        if (order[q] == QUEUE_UPLOAD && f->active_upload >= f->config.hoard_transfers)
+                                break;
+                        if (r->not_before_us > now) {
+                                if (r->not_before_us - now < next)
+                                        next = r->not_before_us - now;
+                                r = following;
+                                continue;
+                        }
+                        if (transfer_setup(f, r) < 0 || curl_multi_add_handle(f->multi, r->easy) != CURLM_OK) {
+                                transfer_cleanup(f, r);
+                                r->not_before_us = now + 1000000;
+                                r = following;
+                                continue;
+                        }
+                        request_move(f, r, QUEUE_ACTIVE);
+                        if (r->kind == REQUEST_PUT)
+                                f->active_upload++;
+                        else if (r->priority == FETCH_HOARD)
+                                f->active_hoard++;
+                        r = following;
+                }
+        }
+        return next;
+}
+
+static void finished_transfers(Fetcher *f) {
+        CURLMsg *msg;
+        int left;
+
+        while ((msg = curl_multi_info_read(f->multi, &left))) {
+                Request *r = NULL;
+                int result = 0, done;
+
+                if (msg->msg != CURLMSG_DONE)
+                        continue;
+                curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **) &r);
+                pthread_mutex_lock(&f->lock);
+                done = transfer_finish(f, r, msg->data.result, &result);
+                transfer_cleanup(f, r);
+                if (r->kind == REQUEST_PUT)
+                        f->active_upload--;
+                else if (r->priority == FETCH_HOARD)
+                        f->active_hoard--;
+                if (done == 1) {
+                        list_remove(&f->queues[QUEUE_ACTIVE], r);
+                        if (r->waiting_since_us || f->outage_logged) {
+                                bool any_waiting = false;
+
+                                for (int q = 0; q < _QUEUE_MAX && !any_waiting; q++)
+                                        for (Request *o = f->queues[q].head; o; o = o->next)
+                                                if (o->waiting_since_us) {
+                                                        any_waiting = true;
+                                                        break;
+                                                }
+                                if (!any_waiting && f->outage_logged && result == 0) {
+                                        log_info("server reachable again");
+                                        f->outage_logged = false;
+                                        f->last_error[0] = 0;
+                                }
+                        }
+                        pthread_mutex_unlock(&f->lock);
+                        request_complete(f, r, result);
+                        continue;
+                }
+                if (done == 2) {
+                        /* Redirect: go again at once to the new location. */
+                        request_move(f, r, r->kind == REQUEST_PUT ? QUEUE_UPLOAD : (int) r->priority);
+                        r->not_before_us = 0;
+                } else {
+                        char why[200];
+
+                        snprintf(why, sizeof(why), "%s", f->last_error[0] ? f->last_error : "transfer failed");
+                        if (msg->data.result != CURLE_OK)
+                                snprintf(why, sizeof(why), "%s", curl_easy_strerror(msg->data.result));
+                        request_retry_locked(f, r, why, done == 0);
+                }
+                pthread_mutex_unlock(&f->lock);
+        }
+}
+
+static void *fetch_thread(void *userdata) {
+        Fetcher *f = userdata;
+
+        for (;;) {
+                uint64_t wait_us;
+                int running;
+
+                pthread_mutex_lock(&f->lock);
+                if (f->stopping) {
+                        pthread_mutex_unlock(&f->lock);
+                        break;
+                }
+                wait_us = start_ready_locked(f);
+                pthread_mutex_unlock(&f->lock);
+
+                curl_multi_perform(f->multi, &running);
+                finished_transfers(f);
+                curl_multi_poll(f->multi, NULL, 0, (int) (wait_us / 1000 + 1), NULL);
+        }
+        return NULL;
+}
+
+/* --- public API ------------------------------------------------------------------------------------- */
+
+int fetch_new(const FetchConfig *config, Stats *stats, Fetcher **ret) {
+        Fetcher *f;
+        int r;
+
+        /* Not thread-safe: the daemon makes its one fetcher before starting other threads. */
+        if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK)
+                return -EIO;
+
+        f = calloc(1, sizeof(*f));
+        if (!f)
+                return -ENOMEM;
+        pthread_mutex_init(&f->lock, NULL);
+        f->config = *config;
+        f->stats = stats;
+        f->offline = config->offline;
+        if (!f->config.max_transfers)
+                f->config.max_transfers = 16;
+        if (!f->config.hoard_transfers || f->config.hoard_transfers > f->config.max_transfers)
+                f->config.hoard_transfers = f->config.max_transfers > 4 ? f->config.max_transfers - 4 : 1;
+        if (!f->config.backoff_max_ms)
+                f->config.backoff_max_ms = 5000;
+        f->server_url = strdup(config->server_url ? config->server_url : "");
+        f->token_file = config->token_file ? strdup(config->token_file) : NULL;
+        f->ca_file = config->ca_file ? strdup(config->ca_file) : NULL;
+        f->pinned_key = config->pinned_key ? strdup(config->pinned_key) : NULL;
+        if (!f->server_url || (config->token_file && !f->token_file) || (config->ca_file && !f->ca_file) ||
+            (config->pinned_key && !f->pinned_key)) {
+                r = -ENOMEM;
+                goto out_free;
+        }
+        while (*f->server_url && f->server_url[strlen(f->server_url) - 1] == '/')
+                f->server_url[strlen(f->server_url) - 1] = 0;
+        if (f->token_file) {
+                r = token_load(f);
+                if (r < 0)
+                        goto out_free;
+        } else {
+                f->auth_header = strdup("X-No-Token: 1");
+        }
+
+        f->multi = curl_multi_init();
+        if (!f->multi) {
+                r = -ENOMEM;
+                goto out_free;
+        }
+        curl_multi_setopt(f->multi, CURLMOPT_PIPELINING, (long) CURLPIPE_MULTIPLEX);
+        curl_multi_setopt(f->multi, CURLMOPT_MAX_HOST_CONNECTIONS, (long) f->config.max_transfers);
+        curl_multi_setopt(f->multi, CURLMOPT_MAXCONNECTS, (long) f->config.max_transfers);
+
+        r = -pthread_create(&f->thread, NULL, fetch_thread, f);
+        if (r < 0)
+                goto out_free;
+        f->thread_started = true;
+        *ret = f;
+        return 0;
+
+out_free:
+        fetch_free(f);
+        return r;
+}
+
+Fetcher *fetch_free(Fetcher *f) {
+        if (!f)
+                return NULL;
+        if (f->thread_started) {
+                pthread_mutex_lock(&f->lock);
+                f->stopping = true;
+                pthread_mutex_unlock(&f->lock);
+                curl_multi_wakeup(f->multi);
+                pthread_join(f->thread, NULL);
+        }
+        for (int q = 0; q < _QUEUE_MAX; q++) {
+                Request *r;
+
+                while ((r = f->queues[q].head)) {
+                        list_remove(&f->queues[q], r);
+                        transfer_cleanup(f, r);
+                        request_complete(f, r, -ECANCELED);
+                }
+        }
+        if (f->multi)
+                curl_multi_cleanup(f->multi);
+        if (f->auth_header)
+                memset(f->auth_header, 0, strlen(f->auth_header));
+        free(f->auth_header);
+        free(f->server_url);
+        free(f->token_file);
+        free(f->ca_file);
+        free(f->pinned_key);
+        pthread_mutex_destroy(&f->lock);
+        free(f);
+        return NULL;
+}
+
+static Request *request_new(RequestKind kind, const uint8_t tag[FETCH_TAG_LEN], FetchDone done, void *userdata) {
+        Request *r = calloc(1, sizeof(*r));
+        Waiter *w = calloc(1, sizeof(*w));
+
+        if (!r || !w) {
+                free(r);
+                free(w);
+                return NULL;
+        }
+        w->done = done;
+        w->userdata = userdata;
+        r->waiters = w;
+        r->kind = kind;
+        memcpy(r->tag, tag, FETCH_TAG_LEN);
+        hex_encode(tag, FETCH_TAG_LEN, r->hex);
+        r->created_us = now_us();
+        return r;
+}
+
+int fetch_get(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority priority, FetchDone done, void *userdata) {
+        Request *r;
+
+        pthread_mutex_lock(&f->lock);
+        if (f->stopping) {
+                pthread_mutex_unlock(&f->lock);
+                return -ECANCELED;
+        }
+        r = get_find(f, tag);
+        if (r) {
+                Waiter *w = calloc(1, sizeof(*w));
+
+                if (!w) {
+                        pthread_mutex_unlock(&f->lock);
+                        return -ENOMEM;
+                }
+                w->done = done;
+                w->userdata = userdata;
+                w->next = r->waiters;
+                r->waiters = w;
+                if (priority < r->priority) {
+                        /* A guest now waits for what was a hoard request: it jumps the queue. */
+                        if (r->queue != QUEUE_ACTIVE)
+                                request_move(f, r, (int) priority);
+                        else if (r->priority == FETCH_HOARD)
+                                f->active_hoard--;
+                        r->priority = priority;
+                }
+                pthread_mutex_unlock(&f->lock);
+                curl_multi_wakeup(f->multi);
+                return 0;
+        }
+        r = request_new(REQUEST_GET, tag, done, userdata);
+        if (!r) {
+                pthread_mutex_unlock(&f->lock);
+                return -ENOMEM;
+        }
+        r->priority = priority;
+        list_append(&f->queues[priority], r, (int) priority);
+        pthread_mutex_unlock(&f->lock);
+        curl_multi_wakeup(f->multi);
+        return 0;
+}
+
+int fetch_put(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], const void *object, size_t len, uint64_t max_rate,
+              FetchDone done, void *userdata) {
+        Request *r;
+
+        r = request_new(REQUEST_PUT, tag, done, userdata);
+        if (!r)
+                return -ENOMEM;
+        r->body = malloc(len ? len : 1);
+        if (!r->body) {
+                request_free(r);
+                return -ENOMEM;
+        }
+        memcpy(r->body, object, len);
+        r->body_len = r->body_capacity = len;
+        r->max_rate = max_rate;
+        pthread_mutex_lock(&f->lock);
+        if (f->stopping) {
+                pthread_mutex_unlock(&f->lock);
+                request_free(r);
+                return -ECANCELED;
+        }
+        list_append(&f->queues[QUEUE_UPLOAD], r, QUEUE_UPLOAD);
+        pthread_mutex_unlock(&f->lock);
+        curl_multi_wakeup(f->multi);
+        return 0;
+}
+
+typedef struct Completion {
+        pthread_mutex_t lock;
+        pthread_cond_t cond;
+        bool done;
+        int result;
+        uint8_t *object;
+        size_t len;
+} Completion;
+
+static void completion_done(int result, const uint8_t *object, size_t len, void *userdata) {
+        Completion *c = userdata;
+        uint8_t *copy = NULL;
+
+        if (result == 0 && object) {
+                copy = malloc(len);
+                if (copy)
+                        memcpy(copy, object, len);
+                else
+                        result = -ENOMEM;
+        }
+        pthread_mutex_lock(&c->lock);
+        c->result = result;
+        c->object = copy;
+        c->len = len;
+        c->done = true;
+        pthread_cond_signal(&c->cond);
+        pthread_mutex_unlock(&c->lock);
+}
+
+static int completion_wait(Completion *c) {
+        pthread_mutex_lock(&c->lock);
+        while (!c->done)
+                pthread_cond_wait(&c->cond, &c->lock);
+        pthread_mutex_unlock(&c->lock);
+        pthread_mutex_destroy(&c->lock);
+        pthread_cond_destroy(&c->cond);
+        return c->result;
+}
+
+int fetch_get_wait(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority priority, uint8_t **ret_object,
+                   size_t *ret_len) {
+        Completion c = { .lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER };
+        int r;
+
+        r = fetch_get(f, tag, priority, completion_done, &c);
+        if (r < 0)
+                return r;
+        r = completion_wait(&c);
+        if (r < 0)
+                return r;
+        *ret_object = c.object;
+        *ret_len = c.len;
+        return 0;
+}
+
+int fetch_put_wait(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], const void *object, size_t len, uint64_t max_rate) {
+        Completion c = { .lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER };
+        int r;
+
+        r = fetch_put(f, tag, object, len, max_rate, completion_done, &c);
+        if (r < 0)
+                return r;
+        return completion_wait(&c);
+}
+
+void fetch_set_offline(Fetcher *f, bool offline) {
+        pthread_mutex_lock(&f->lock);
+        f->offline = offline;
+        pthread_mutex_unlock(&f->lock);
+        curl_multi_wakeup(f->multi);
+}
+
+void fetch_status(Fetcher *f, FetchStatus *ret) {
+        uint64_t now = now_us(), oldest = 0;
+
+        memset(ret, 0, sizeof(*ret));
+        pthread_mutex_lock(&f->lock);
+        ret->offline = f->offline;
+        ret->queued[FETCH_DEMAND] = f->queues[QUEUE_DEMAND].n;
+        ret->queued[FETCH_HOARD] = f->queues[QUEUE_HOARD].n;
+        ret->active = f->queues[QUEUE_ACTIVE].n;
+        ret->uploads = f->queues[QUEUE_UPLOAD].n + f->active_upload;
+        for (int q = 0; q < _QUEUE_MAX; q++)
+                for (Request *r = f->queues[q].head; r; r = r->next)
+                        if (r->waiting_since_us && (!oldest || r->waiting_since_us < oldest))
+                                oldest = r->waiting_since_us;
+        ret->waiting = oldest != 0 || (f->offline && (f->queues[QUEUE_DEMAND].n || f->queues[QUEUE_HOARD].n));
+        ret->waiting_seconds = oldest ? (now - oldest) / 1000000u : 0;
+        snprintf(ret->last_error, sizeof(ret->last_error), "%s", f->last_error);
+        pthread_mutex_unlock(&f->lock);
+}

@@ -1,0 +1,77 @@
+/* SPDX-License-Identifier: GPL-2.0-or-later */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "stats.h"
+
+#define FETCH_TAG_LEN 32
+
+typedef enum FetchPriority {
+        FETCH_DEMAND,       /* a guest read is waiting */
+        FETCH_HOARD,        /* background prefetch: only when no demand request is ready to start */
+        _FETCH_PRIORITY_MAX,
+} FetchPriority;
+
+typedef struct FetchConfig {
+        const char *server_url;        /* base URL, e.g. https://127.0.0.1:8443 */
+        const char *token_file;        /* bearer token; re-read when the server answers 401 */
+        const char *ca_file;           /* PEM CA bundle or self-signed certificate; NULL: system CAs */
+        const char *pinned_key;        /* curl pin ("sha256//<base64>" or a key file); NULL: none */
+        unsigned max_transfers;        /* concurrent transfers (HTTP/2 streams) */
+        unsigned hoard_transfers;      /* at most this many of them for hoarding */
+        unsigned backoff_max_ms;       /* cap of the exponential backoff after a transient failure */
+        bool offline;
+} FetchConfig;
+
+typedef struct Fetcher Fetcher;
+
+/*
+ * Called exactly once per fetch_get()/fetch_put(), from the fetch thread; the object is valid only
+ * during the call.  result: 0; -ENOENT the server does not have the chunk (HTTP 404/410); -EBADMSG every
+ * attempt returned bytes that do not match the tag (or the server refused an upload's bytes); -EIO
+ * another definitive refusal; -ECANCELED the fetcher is shutting down.  Transient trouble (connection
+ * failures, timeouts, 5xx, 429) never reaches the callback: the request is retried forever.
+ */
+typedef void (*FetchDone)(int result, const uint8_t *object, size_t len, void *userdata);
+
+typedef struct FetchStatus {
+        bool offline;
+        bool waiting;                  /* some request is backing off after a transient failure */
+        unsigned queued[_FETCH_PRIORITY_MAX];
+        unsigned active;
+        unsigned uploads;              /* queued or active */
+        uint64_t waiting_seconds;      /* how long the oldest waiting request has been retrying */
+        char last_error[200];
+} FetchStatus;
+
+int fetch_new(const FetchConfig *config, Stats *stats, Fetcher **ret);
+
+/* Stops the fetch thread; pending requests complete with -ECANCELED. */
+Fetcher *fetch_free(Fetcher *f);
+
+/*
+ * Queues a GET of the chunk object named tag.  Requests for a tag that is already queued or in flight
+ * share its transfer (a demand request raises a queued hoard request's priority).  Every object is
+ * verified against its tag before it is handed to a callback.
+ */
+int fetch_get(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority priority, FetchDone done, void *userdata);
+
+/* fetch_get() and wait: the object is malloc()ed. */
+int fetch_get_wait(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority priority, uint8_t **ret_object,
+                   size_t *ret_len);
+
+/*
+ * Queues a PUT of a chunk object, sent at most max_rate bytes per second (0: unlimited).  The object is
+ * copied.
+ */
+int fetch_put(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], const void *object, size_t len, uint64_t max_rate,
+              FetchDone done, void *userdata);
+int fetch_put_wait(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], const void *object, size_t len, uint64_t max_rate);
+
+/* Offline: nothing new starts (requests wait, they do not fail) until online again. */
+void fetch_set_offline(Fetcher *f, bool offline);
+
+void fetch_status(Fetcher *f, FetchStatus *ret);

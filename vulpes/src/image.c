@@ -1,0 +1,784 @@
+/* SPDX-License-Identifier: GPL-2.0-or-later */
+/*
+ * One image (disk or memory) of a parcel: chunk state, the bounded RAM cache of plaintext chunks,
+ * read-modify-write of partial chunk writes, and flushing dirty chunks to the cache and keyring.
+ *
+ * A chunk is ABSENT (not in RAM), LOADING (one thread fetches it; others wait on the condition variable,
+ * so concurrent reads of one chunk cause one load) or READY.  READY chunks that are clean sit in an LRU
+ * list and are evicted when RAM is over its limit; dirty chunks are pinned until a flush has made them
+ * durable.  Readers pin a chunk while copying out of it, outside the lock; writers copy in under the
+ * lock, so a flush's snapshot of a chunk never sees half a write.
+ *
+ * Read order: RAM, the persistent cache, lookaside sources, the server (demand priority).  Every object
+ * is verified against its tag by the tier that supplied it (chunk_verify_tag) before it is decoded.
+ *
+ * Durability: image_flush() encodes every chunk that was dirty when it was called, writes the objects
+ * as temporary files, syncs, renames them into place, syncs again, and only then commits the new records
+ * to the keyring (synchronous=FULL).  A kill -9 at any instant leaves the keyring naming only objects
+ * that are on disk: either the old record or the new one, never a dangling one.
+ *
+ * Threading: every function is safe from any thread.  Lock order: flush_lock, then lock, then db_lock.
+ */
+#define _GNU_SOURCE
+#include "image.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "chunk.h"
+#include "compress.h"
+#include "crypto.h"
+#include "hex.h"
+#include "keyring.h"
+#include "log.h"
+
+enum {
+        CHUNK_ABSENT,
+        CHUNK_LOADING,
+        CHUNK_READY,
+};
+
+#define NO_CHUNK INT64_C(-1)
+#define FLUSH_BATCH_BYTES ((size_t) 32 << 20)
+
+typedef struct Chunk {
+        uint8_t *data;
+        uint8_t state;
+        bool dirty;
+        uint32_t pins;
+        uint32_t gen;                      /* bumped by every write, so a flush knows if it saw the last one */
+        int64_t lru_prev, lru_next;        /* clean READY chunks only; head is the least recently used */
+} Chunk;
+
+struct Image {
+        char *name;
+        ImageSources src;
+        uint32_t chunk_size;
+        uint64_t size, n_chunks;
+
+        pthread_mutex_t db_lock;           /* the keyring connection is single-threaded */
+        Keyring *keyring;
+
+        pthread_mutex_t lock;
+        pthread_cond_t cond;               /* chunk state changes, dirty bytes going down */
+        bool *present;                     /* has a keyring record */
+        KeyringRecord *records;
+        uint64_t n_records;
+        Chunk *chunks;
+        int64_t lru_head, lru_tail;
+        uint64_t ram_bytes, ram_limit, dirty_bytes, dirty_chunks;
+        int flush_error;
+
+        pthread_mutex_t flush_lock;        /* one flush at a time */
+        pthread_t flusher;
+        bool flusher_started, stopping, flush_wanted;
+        pthread_cond_t flusher_cond;
+        unsigned flush_interval_ms;
+};
+
+const char *image_name(const Image *img) {
+        return img->name;
+}
+
+uint64_t image_size(const Image *img) {
+        return img->size;
+}
+
+uint32_t image_chunk_size(const Image *img) {
+        return img->chunk_size;
+}
+
+uint64_t image_chunk_count(const Image *img) {
+        return img->n_chunks;
+}
+
+static size_t length_of(const Image *img, uint64_t idx) {
+        return chunk_length(img->size, img->chunk_size, idx);
+}
+
+/* --- LRU -------------------------------------------------------------------------------------------- */
+
+static bool lru_linked(Image *img, int64_t idx) {
+        return img->chunks[idx].lru_prev != NO_CHUNK || img->lru_head == idx;
+}
+
+static void lru_remove(Image *img, int64_t idx) {
+        Chunk *c = &img->chunks[idx];
+
+        if (!lru_linked(img, idx))
+                return;
+        if (c->lru_prev != NO_CHUNK)
+                img->chunks[c->lru_prev].lru_next = c->lru_next;
+        else
+                img->lru_head = c->lru_next;
+        if (c->lru_next != NO_CHUNK)
+                img->chunks[c->lru_next].lru_prev = c->lru_prev;
+        else
+                img->lru_tail = c->lru_prev;
+        c->lru_prev = c->lru_next = NO_CHUNK;
+}
+
+static void lru_append(Image *img, int64_t idx) {
+        Chunk *c = &img->chunks[idx];
+
+        lru_remove(img, idx);
+        c->lru_prev = img->lru_tail;
+        c->lru_next = NO_CHUNK;
+        if (img->lru_tail != NO_CHUNK)
+                img->chunks[img->lru_tail].lru_next = idx;
+        else
+                img->lru_head = idx;
+        img->lru_tail = idx;
+}
+
+/* Drops least recently used clean, unpinned chunks until RAM is within its limit. */
+static void evict_locked(Image *img) {
+        int64_t idx = img->lru_head;
+
+        while (img->ram_bytes > img->ram_limit && idx != NO_CHUNK) {
+                Chunk *c = &img->chunks[idx];
+                int64_t next = c->lru_next;
+
+                if (c->pins == 0 && !c->dirty && c->state == CHUNK_READY) {
+                        lru_remove(img, idx);
+                        crypto_wipe(c->data, length_of(img, (uint64_t) idx));
+                        free(c->data);
+                        c->data = NULL;
+                        c->state = CHUNK_ABSENT;
+                        img->ram_bytes -= length_of(img, (uint64_t) idx);
+                }
+                idx = next;
+        }
+}
+
+static void install_locked(Image *img, uint64_t idx, uint8_t *data) {
+        Chunk *c = &img->chunks[idx];
+
+        evict_locked(img);
+        c->data = data;
+        c->state = CHUNK_READY;
+        img->ram_bytes += length_of(img, idx);
+        lru_append(img, (int64_t) idx);
+        pthread_cond_broadcast(&img->cond);
+}
+
+/* --- loading ---------------------------------------------------------------------------------------- */
+
+static void describe(const Image *img, uint64_t idx, const uint8_t tag[IMAGE_TAG_LEN], char *buf, size_t size) {
+        char hex[IMAGE_TAG_LEN * 2 + 1];
+
+        hex_encode(tag, IMAGE_TAG_LEN, hex);
+        snprintf(buf, size, "%s chunk %llu (tag %s)", img->name, (unsigned long long) idx, hex);
+}
+
+/* Decodes a verified object; a failure here is definitive (the bytes match the tag, so every copy is
+ * the same): the keyring's key and the object disagree. */
+static int decode(const Image *img, uint64_t idx, const KeyringRecord *rec, const uint8_t key[IMAGE_KEY_LEN],
+                  const uint8_t *object, size_t len, uint8_t *data) {
+        char what[160];
+        int r;
+
+        r = chunk_decode_verified(object, len, key, length_of(img, idx), data);
+        if (r < 0) {
+                describe(img, idx, rec->tag, what, sizeof(what));
+                log_error("failed to read %s: the object matches its tag but does not decode with the keyring's key",
+                          what);
+                return -EIO;
+        }
+        return 0;
+}
+
+/* Loads chunk idx from the first tier that has a good copy; called without the lock. */
+static int chunk_load(Image *img, uint64_t idx, const KeyringRecord *rec, uint8_t **ret_data, StatsTier *ret_tier) {
+        size_t n = length_of(img, idx), len = 0;
+        uint8_t key[IMAGE_KEY_LEN], *object = NULL, *data;
+        char what[160];
+        int r;
+
+        data = malloc(n);
+        if (!data)
+                return -ENOMEM;
+        r = keyring_unwrap_key(img->src.parcel_key, rec->wkey, key);
+        if (r < 0) {
+                describe(img, idx, rec->tag, what, sizeof(what));
+                log_error("failed to read %s: its keyring record does not unwrap under the parcel key", what);
+                r = -EIO;
+                goto out_data;
+        }
+
+        r = cache_get(img->src.cache, rec->tag, &object, &len);
+        if (r == 0) {
+                *ret_tier = STATS_TIER_CACHE;
+                goto decode;
+        }
+        if (r == -EBADMSG)
+                stats_add(&img->src.stats->quarantined, 1);
+
+        r = lookaside_get(img->src.lookaside, rec->tag, &object, &len);
+        if (r == 0) {
+                *ret_tier = STATS_TIER_LOOKASIDE;
+                cache_put(img->src.cache, rec->tag, object, len, false);
+                goto decode;
+        }
+
+        describe(img, idx, rec->tag, what, sizeof(what));
+        if (!img->src.fetcher) {
+                log_error("failed to read %s: not in the cache or any lookaside source, and no server is configured",
+                          what);
+                r = -EIO;
+                goto out_data;
+        }
+        r = fetch_get_wait(img->src.fetcher, rec->tag, FETCH_DEMAND, &object, &len);
+        if (r == -ENOENT) {
+                log_error("failed to read %s: not in the cache, any lookaside source or on the server", what);
+                r = -EIO;
+                goto out_data;
+        }
+        if (r == -EBADMSG) {
+                log_error("failed to read %s: every copy failed verification against its tag", what);
+                r = -EIO;
+                goto out_data;
+        }
+        if (r < 0) {
+                if (r != -ECANCELED)
+                        log_error("failed to read %s: %s", what, strerror(-r));
+                r = -EIO;
+                goto out_data;
+        }
+        *ret_tier = STATS_TIER_SERVER;
+        cache_put(img->src.cache, rec->tag, object, len, false);
+
+decode:
+        r = decode(img, idx, rec, key, object, len, data);
+        free(object);
+        if (r < 0)
+                goto out_data;
+        crypto_wipe(key, sizeof(key));
+        *ret_data = data;
+        return 0;
+
+out_data:
+        crypto_wipe(key, sizeof(key));
+        free(data);
+        return r;
+}
+
+/*
+ * With the lock held: returns with chunk idx READY, loading it if needed (which drops the lock for the
+ * load).  With whole, the caller overwrites the whole chunk: nothing needs to be read.
+ */
+static int chunk_ready_locked(Image *img, uint64_t idx, bool whole, StatsTier *ret_tier) {
+        Chunk *c = &img->chunks[idx];
+
+        *ret_tier = STATS_TIER_RAM;
+        for (;;) {
+                KeyringRecord rec;
+                uint8_t *data = NULL;
+                int r;
+
+                if (c->state == CHUNK_READY)
+                        return 0;
+                if (c->state == CHUNK_LOADING) {
+                        pthread_cond_wait(&img->cond, &img->lock);
+                        continue;
+                }
+                if (whole || !img->present[idx]) {
+                        data = whole ? malloc(length_of(img, idx)) : calloc(1, length_of(img, idx));
+                        if (!data)
+                                return -ENOMEM;
+                        install_locked(img, idx, data);
+                        *ret_tier = whole ? STATS_TIER_NEW : STATS_TIER_ZERO;
+                        return 0;
+                }
+                rec = img->records[idx];
+                c->state = CHUNK_LOADING;
+                pthread_mutex_unlock(&img->lock);
+                r = chunk_load(img, idx, &rec, &data, ret_tier);
+                pthread_mutex_lock(&img->lock);
+                if (r < 0) {
+                        c->state = CHUNK_ABSENT;
+                        pthread_cond_broadcast(&img->cond);
+                        return r;
+                }
+                install_locked(img, idx, data);
+                return 0;
+        }
+}
+
+static void account(Image *img, uint64_t idx, TraceOp op, StatsTier tier) {
+        Stats *s = img->src.stats;
+
+        stats_add(&s->hits[tier], 1);
+        if (tier != STATS_TIER_RAM)
+                stats_add(&s->misses, 1);
+        stats_add(op == TRACE_READ ? &s->chunks_read : &s->chunks_written, 1);
+        trace_record(img->src.trace, img->name, idx, op, tier);
+}
+
+ssize_t image_read(Image *img, void *buf, size_t len, uint64_t offset) {
+        uint8_t *out = buf;
+        size_t done = 0;
+
+        if (offset >= img->size)
+                return 0;
+        if (len > img->size - offset)
+                len = (size_t) (img->size - offset);
+        while (done < len) {
+                uint64_t pos = offset + done, idx = pos / img->chunk_size;
+                size_t in_chunk = (size_t) (pos % img->chunk_size), piece = length_of(img, idx) - in_chunk;
+                StatsTier tier;
+                Chunk *c = &img->chunks[idx];
+                int r;
+
+                if (piece > len - done)
+                        piece = len - done;
+                pthread_mutex_lock(&img->lock);
+                if (c->state == CHUNK_ABSENT && !img->present[idx]) {
+                        /* A chunk without record is zeros: no need to hold it in RAM for a read. */
+                        pthread_mutex_unlock(&img->lock);
+                        memset(out + done, 0, piece);
+                        account(img, idx, TRACE_READ, STATS_TIER_ZERO);
+                        done += piece;
+                        continue;
+                }
+                r = chunk_ready_locked(img, idx, false, &tier);
+                if (r < 0) {
+                        pthread_mutex_unlock(&img->lock);
+                        stats_add(&img->src.stats->errors, 1);
+                        return done > 0 ? (ssize_t) done : r;
+                }
+                c->pins++;
+                if (!c->dirty)
+                        lru_append(img, (int64_t) idx);
+                pthread_mutex_unlock(&img->lock);
+
+                memcpy(out + done, c->data + in_chunk, piece);
+
+                pthread_mutex_lock(&img->lock);
+                c->pins--;
+                if (img->ram_bytes > img->ram_limit)
+                        evict_locked(img);
+                pthread_mutex_unlock(&img->lock);
+                account(img, idx, TRACE_READ, tier);
+                done += piece;
+        }
+        stats_add(&img->src.stats->bytes_read, done);
+        return (ssize_t) done;
+}
+
+static void flusher_kick_locked(Image *img) {
+        img->flush_wanted = true;
+        pthread_cond_signal(&img->flusher_cond);
+}
+
+ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset) {
+        const uint8_t *in = buf;
+        size_t done = 0;
+
+        if (offset >= img->size)
+                return len == 0 ? 0 : -ENOSPC;
+        if (len > img->size - offset)
+                len = (size_t) (img->size - offset);
+        while (done < len) {
+                uint64_t pos = offset + done, idx = pos / img->chunk_size;
+                size_t n = length_of(img, idx), in_chunk = (size_t) (pos % img->chunk_size), piece = n - in_chunk;
+                StatsTier tier;
+                Chunk *c = &img->chunks[idx];
+                int r;
+
+                if (piece > len - done)
+                        piece = len - done;
+                pthread_mutex_lock(&img->lock);
+                /* Back-pressure: dirty chunks are pinned, so they must not fill RAM. */
+                while (!c->dirty && img->dirty_bytes + n > img->ram_limit / 4 * 3 && img->dirty_chunks > 0) {
+                        if (img->flush_error) {
+                                r = img->flush_error;
+                                pthread_mutex_unlock(&img->lock);
+                                return done > 0 ? (ssize_t) done : r;
+                        }
+                        flusher_kick_locked(img);
+                        pthread_cond_wait(&img->cond, &img->lock);
+                }
+                r = chunk_ready_locked(img, idx, piece == n, &tier);
+                if (r < 0) {
+                        pthread_mutex_unlock(&img->lock);
+                        stats_add(&img->src.stats->errors, 1);
+                        return done > 0 ? (ssize_t) done : r;
+                }
+                memcpy(c->data + in_chunk, in + done, piece);
+                c->gen++;
+                if (!c->dirty) {
+                        c->dirty = true;
+                        img->dirty_bytes += n;
+                        img->dirty_chunks++;
+                        lru_remove(img, (int64_t) idx);
+                        if (img->dirty_bytes > img->ram_limit / 4)
+                                flusher_kick_locked(img);
+                }
+                pthread_mutex_unlock(&img->lock);
+                account(img, idx, TRACE_WRITE, tier);
+                done += piece;
+        }
+        stats_add(&img->src.stats->bytes_written, done);
+        return (ssize_t) done;
+}
+
+/* --- flushing --------------------------------------------------------------------------------------- */
+
+typedef struct FlushItem {
+        uint64_t idx;
+        uint32_t gen;
+        uint8_t *data;
+} FlushItem;
+
+/* Encodes, stores and records one batch; then marks the chunks clean that were not written meanwhile. */
+static int flush_batch(Image *img, FlushItem *items, size_t n) {
+        KeyringChange *changes = NULL;
+        CacheBatch *batch = NULL;
+        uint8_t *object = NULL;
+        int r;
+
+        changes = calloc(n, sizeof(*changes));
+        object = malloc(chunk_object_max_len(img->chunk_size));
+        if (!changes || !object) {
+                r = -ENOMEM;
+                goto out;
+        }
+        r = cache_batch_new(img->src.cache, &batch);
+        if (r < 0)
+                goto out;
+        for (size_t i = 0; i < n; i++) {
+                size_t len = length_of(img, items[i].idx), object_len = 0;
+                uint8_t key[IMAGE_KEY_LEN];
+                KeyringChange *ch = &changes[i];
+
+                ch->record.idx = items[i].idx;
+                if (chunk_is_zero(items[i].data, len)) {
+                        ch->remove = true;
+                        continue;
+                }
+                r = chunk_encode(items[i].data, len, img->src.secret, COMPRESS_LEVEL_DEFAULT, object, &object_len,
+                                 ch->record.tag, key, &ch->record.flags);
+                if (r >= 0)
+                        r = keyring_wrap_key(img->src.parcel_key, key, ch->record.wkey);
+                crypto_wipe(key, sizeof(key));
+                if (r >= 0)
+                        r = cache_batch_add(batch, ch->record.tag, object, object_len);
+                if (r < 0) {
+                        log_error("failed to flush %s chunk %llu: %s", img->name, (unsigned long long) items[i].idx,
+                                  strerror(-r));
+                        goto out;
+                }
+        }
+        /* Objects first, durable; only then the records that name them. */
+        r = cache_batch_commit(batch);
+        if (r < 0)
+                goto out;
+        pthread_mutex_lock(&img->db_lock);
+        r = keyring_apply(img->keyring, changes, n);
+        pthread_mutex_unlock(&img->db_lock);
+        if (r < 0)
+                goto out;
+
+        pthread_mutex_lock(&img->lock);
+        for (size_t i = 0; i < n; i++) {
+                uint64_t idx = items[i].idx;
+                Chunk *c = &img->chunks[idx];
+
+                if (changes[i].remove) {
+                        img->n_records -= img->present[idx];
+                        img->present[idx] = false;
+                } else {
+                        img->n_records += !img->present[idx];
+                        img->present[idx] = true;
+                        img->records[idx] = changes[i].record;
+                }
+                if (c->gen == items[i].gen && c->dirty) {
+                        c->dirty = false;
+                        img->dirty_bytes -= length_of(img, idx);
+                        img->dirty_chunks--;
+                        lru_append(img, (int64_t) idx);
+                }
+        }
+        img->flush_error = 0;
+        evict_locked(img);
+        pthread_cond_broadcast(&img->cond);
+        pthread_mutex_unlock(&img->lock);
+        stats_add(&img->src.stats->chunks_flushed, n);
+
+out:
+        cache_batch_free(batch);
+        free(object);
+        free(changes);
+        return r;
+}
+
+int image_flush(Image *img) {
+        uint64_t *dirty = NULL, n_dirty = 0;
+        int r = 0;
+
+        pthread_mutex_lock(&img->flush_lock);
+        pthread_mutex_lock(&img->lock);
+        if (img->dirty_chunks > 0) {
+                dirty = malloc(img->dirty_chunks * sizeof(*dirty));
+                if (!dirty) {
+                        pthread_mutex_unlock(&img->lock);
+                        r = -ENOMEM;
+                        goto out;
+                }
+                for (uint64_t i = 0; i < img->n_chunks && n_dirty < img->dirty_chunks; i++)
+                        if (img->chunks[i].dirty)
+                                dirty[n_dirty++] = i;
+        }
+        pthread_mutex_unlock(&img->lock);
+
+        for (uint64_t start = 0; start < n_dirty;) {
+                size_t max_items = FLUSH_BATCH_BYTES / img->chunk_size ? FLUSH_BATCH_BYTES / img->chunk_size : 1;
+                FlushItem *items = calloc(max_items, sizeof(*items));
+                size_t n = 0;
+
+                if (!items) {
+                        r = -ENOMEM;
+                        goto out;
+                }
+                pthread_mutex_lock(&img->lock);
+                for (; start < n_dirty && n < max_items; start++) {
+                        Chunk *c = &img->chunks[dirty[start]];
+                        size_t len = length_of(img, dirty[start]);
+
+                        if (!c->dirty)
+                                continue;
+                        items[n].data = malloc(len);
+                        if (!items[n].data)
+                                break;
+                        memcpy(items[n].data, c->data, len);
+                        items[n].idx = dirty[start];
+                        items[n].gen = c->gen;
+                        n++;
+                }
+                pthread_mutex_unlock(&img->lock);
+                r = n > 0 ? flush_batch(img, items, n) : 0;
+                for (size_t i = 0; i < n; i++) {
+                        crypto_wipe(items[i].data, length_of(img, items[i].idx));
+                        free(items[i].data);
+                }
+                free(items);
+                if (r < 0) {
+                        pthread_mutex_lock(&img->lock);
+                        img->flush_error = r;
+                        pthread_cond_broadcast(&img->cond);
+                        pthread_mutex_unlock(&img->lock);
+                        goto out;
+                }
+        }
+        stats_add(&img->src.stats->flushes, 1);
+out:
+        free(dirty);
+        pthread_mutex_unlock(&img->flush_lock);
+        return r;
+}
+
+static void *flusher_thread(void *userdata) {
+        Image *img = userdata;
+
+        pthread_mutex_lock(&img->lock);
+        while (!img->stopping) {
+                struct timespec deadline;
+
+                if (!img->flush_wanted) {
+                        clock_gettime(CLOCK_REALTIME, &deadline);
+                        deadline.tv_sec += img->flush_interval_ms / 1000;
+                        deadline.tv_nsec += (long) (img->flush_interval_ms % 1000) * 1000000L;
+                        if (deadline.tv_nsec >= 1000000000L) {
+                                deadline.tv_sec++;
+                                deadline.tv_nsec -= 1000000000L;
+                        }
+                        pthread_cond_timedwait(&img->flusher_cond, &img->lock, &deadline);
+                }
+                if (img->stopping)
+                        break;
+                img->flush_wanted = false;
+                if (img->dirty_chunks == 0)
+                        continue;
+                pthread_mutex_unlock(&img->lock);
+                if (image_flush(img) < 0) {
+                        /* Do not spin on a persistent failure (a full disk): the next kick or tick retries. */
+                        struct timespec pause = { 1, 0 };
+
+                        nanosleep(&pause, NULL);
+                }
+                pthread_mutex_lock(&img->lock);
+        }
+        pthread_mutex_unlock(&img->lock);
+        return NULL;
+}
+
+/* --- life cycle ------------------------------------------------------------------------------------- */
+
+static int records_load(Image *img) {
+        KeyringIterator *it = NULL;
+        KeyringRecord rec;
+        int r;
+
+        r = keyring_iterator_new(img->keyring, &it);
+        if (r < 0)
+                return r;
+        while ((r = keyring_iterator_next(it, &rec)) > 0) {
+                img->records[rec.idx] = rec;
+                img->present[rec.idx] = true;
+                img->n_records++;
+        }
+        keyring_iterator_free(it);
+        return r;
+}
+
+int image_open(const char *name, const char *keyring_path, const ImageSources *sources, uint64_t ram_limit,
+               unsigned flush_interval_ms, Image **ret) {
+        Image *img;
+        int r;
+
+        img = calloc(1, sizeof(*img));
+        if (!img)
+                return -ENOMEM;
+        pthread_mutex_init(&img->lock, NULL);
+        pthread_mutex_init(&img->db_lock, NULL);
+        pthread_mutex_init(&img->flush_lock, NULL);
+        pthread_cond_init(&img->cond, NULL);
+        pthread_cond_init(&img->flusher_cond, NULL);
+        img->src = *sources;
+        img->lru_head = img->lru_tail = NO_CHUNK;
+        img->flush_interval_ms = flush_interval_ms ? flush_interval_ms : 5000;
+        img->name = strdup(name);
+        if (!img->name) {
+                r = -ENOMEM;
+                goto out_free;
+        }
+        r = keyring_open(keyring_path, &img->keyring);
+        if (r < 0)
+                goto out_free;
+        r = keyring_state_init(img->keyring);
+        if (r < 0)
+                goto out_free;
+        img->chunk_size = keyring_chunk_size(img->keyring);
+        img->size = keyring_image_size(img->keyring);
+        img->n_chunks = chunk_count(img->size, img->chunk_size);
+        /* At least a few chunks, so that one read-modify-write never waits for itself. */
+        img->ram_limit = ram_limit > (uint64_t) img->chunk_size * 8 ? ram_limit : (uint64_t) img->chunk_size * 8;
+
+        img->present = calloc(img->n_chunks ? img->n_chunks : 1, sizeof(*img->present));
+        img->records = calloc(img->n_chunks ? img->n_chunks : 1, sizeof(*img->records));
+        img->chunks = calloc(img->n_chunks ? img->n_chunks : 1, sizeof(*img->chunks));
+        if (!img->present || !img->records || !img->chunks) {
+                r = -ENOMEM;
+                goto out_free;
+        }
+        for (uint64_t i = 0; i < img->n_chunks; i++)
+                img->chunks[i].lru_prev = img->chunks[i].lru_next = NO_CHUNK;
+        r = records_load(img);
+        if (r < 0)
+                goto out_free;
+
+        r = -pthread_create(&img->flusher, NULL, flusher_thread, img);
+        if (r < 0)
+                goto out_free;
+        img->flusher_started = true;
+        *ret = img;
+        return 0;
+
+out_free:
+        image_free(img);
+        return r;
+}
+
+Image *image_free(Image *img) {
+        if (!img)
+                return NULL;
+        if (img->flusher_started) {
+                pthread_mutex_lock(&img->lock);
+                img->stopping = true;
+                pthread_cond_signal(&img->flusher_cond);
+                pthread_mutex_unlock(&img->lock);
+                pthread_join(img->flusher, NULL);
+        }
+        if (img->chunks) {
+                for (uint64_t i = 0; i < img->n_chunks; i++) {
+                        if (img->chunks[i].data) {
+                                crypto_wipe(img->chunks[i].data, length_of(img, i));
+                                free(img->chunks[i].data);
+                        }
+                }
+        }
+        free(img->chunks);
+        free(img->records);
+        free(img->present);
+        keyring_free(img->keyring);
+        pthread_cond_destroy(&img->flusher_cond);
+        pthread_cond_destroy(&img->cond);
+        pthread_mutex_destroy(&img->flush_lock);
+        pthread_mutex_destroy(&img->db_lock);
+        pthread_mutex_destroy(&img->lock);
+        free(img->name);
+        free(img);
+        return NULL;
+}
+
+int image_chunk_tag(Image *img, uint64_t idx, uint8_t ret_tag[IMAGE_TAG_LEN]) {
+        int r = -ENOENT;
+
+        if (idx >= img->n_chunks)
+                return -EINVAL;
+        pthread_mutex_lock(&img->lock);
+        if (img->present[idx]) {
+                memcpy(ret_tag, img->records[idx].tag, IMAGE_TAG_LEN);
+                r = 0;
+        }
+        pthread_mutex_unlock(&img->lock);
+        return r;
+}
+
+int image_uploads_next(Image *img, uint8_t (*ret_tags)[IMAGE_TAG_LEN], size_t max, size_t *ret_n) {
+        int r;
+
+        pthread_mutex_lock(&img->db_lock);
+        r = keyring_uploads_next(img->keyring, ret_tags, max, ret_n);
+        pthread_mutex_unlock(&img->db_lock);
+        return r;
+}
+
+int image_upload_done(Image *img, const uint8_t tag[IMAGE_TAG_LEN]) {
+        int r;
+
+        pthread_mutex_lock(&img->db_lock);
+        r = keyring_upload_done(img->keyring, tag);
+        pthread_mutex_unlock(&img->db_lock);
+        return r;
+}
+
+int image_changed_reset(Image *img) {
+        int r;
+
+        pthread_mutex_lock(&img->db_lock);
+        r = keyring_changed_reset(img->keyring);
+        pthread_mutex_unlock(&img->db_lock);
+        return r;
+}
+
+void image_status(Image *img, ImageStatus *ret) {
+        memset(ret, 0, sizeof(*ret));
+        pthread_mutex_lock(&img->lock);
+        ret->size = img->size;
+        ret->chunk_size = img->chunk_size;
+        ret->chunks = img->n_chunks;
+        ret->records = img->n_records;
+        ret->ram_bytes = img->ram_bytes;
+        ret->dirty_chunks = img->dirty_chunks;
+        ret->flush_error = img->flush_error;
+        pthread_mutex_unlock(&img->lock);
+        pthread_mutex_lock(&img->db_lock);
+        keyring_state_counts(img->keyring, &ret->changed_chunks, &ret->pending_uploads);
+        pthread_mutex_unlock(&img->db_lock);
+}

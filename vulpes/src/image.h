@@ -1,0 +1,85 @@
+/* SPDX-License-Identifier: GPL-2.0-or-later */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "cache.h"
+#include "fetch.h"
+#include "lookaside.h"
+#include "stats.h"
+#include "trace.h"
+
+#define IMAGE_TAG_LEN 32
+#define IMAGE_KEY_LEN 32
+
+/* Where an image's chunks come from, and the keys to open and make them; shared by both images. */
+typedef struct ImageSources {
+        Cache *cache;
+        Lookaside *lookaside;          /* may be NULL */
+        Fetcher *fetcher;              /* may be NULL: no server, a miss everywhere else is definitive */
+        Stats *stats;
+        Trace *trace;
+        const uint8_t *parcel_key;     /* IMAGE_KEY_LEN bytes, wraps chunk keys */
+        const uint8_t *secret;         /* IMAGE_KEY_LEN bytes, the convergence secret */
+} ImageSources;
+
+typedef struct ImageStatus {
+        uint64_t size;
+        uint32_t chunk_size;
+        uint64_t chunks;               /* chunks in the image */
+        uint64_t records;              /* chunks with a keyring record (not all zeros) */
+        uint64_t ram_bytes;            /* plaintext held in RAM */
+        uint64_t dirty_chunks;         /* modified in RAM, not yet durable */
+        uint64_t changed_chunks;       /* changed since the base version (durable) */
+        uint64_t pending_uploads;      /* objects the server may not have yet */
+        int flush_error;               /* last background flush failure (negative errno) or 0 */
+} ImageStatus;
+
+typedef struct Image Image;
+
+/*
+ * Opens the image described by the local keyring at keyring_path (chunk and image size come from its
+ * meta table) and loads its records.  Plaintext is kept in RAM up to ram_limit bytes (dirty chunks are
+ * pinned; writers wait when dirty chunks fill 3/4 of it).  A background thread flushes dirty chunks when
+ * they fill 1/4 of it and every flush_interval_ms.
+ */
+int image_open(const char *name, const char *keyring_path, const ImageSources *sources, uint64_t ram_limit,
+               unsigned flush_interval_ms, Image **ret);
+
+/* Stops the background flusher; does not flush (call image_flush() first). */
+Image *image_free(Image *img);
+
+const char *image_name(const Image *img);
+uint64_t image_size(const Image *img);
+uint32_t image_chunk_size(const Image *img);
+uint64_t image_chunk_count(const Image *img);
+
+/*
+ * Reads or writes len bytes at offset (clipped at the image's end; -EINVAL beyond it).  Returns the byte
+ * count or a negative errno: -EIO only for a definitive failure (the chunk exists nowhere, or every copy
+ * failed verification), after one log line that names the chunk.  Transient network trouble blocks.
+ */
+ssize_t image_read(Image *img, void *buf, size_t len, uint64_t offset);
+ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset);
+
+/*
+ * Makes every write acknowledged before the call durable: dirty chunks are re-encoded (new convergent
+ * key and tag), written to the cache (temporary files, sync, rename, sync) and then recorded in the local
+ * keyring in one transaction.  All-zero chunks lose their record instead.
+ */
+int image_flush(Image *img);
+
+/* The tag of chunk idx, or -ENOENT for a chunk without record (all zeros). */
+int image_chunk_tag(Image *img, uint64_t idx, uint8_t ret_tag[IMAGE_TAG_LEN]);
+
+/* Upload bookkeeping for writeback.c, see keyring_uploads_next(). */
+int image_uploads_next(Image *img, uint8_t (*ret_tags)[IMAGE_TAG_LEN], size_t max, size_t *ret_n);
+int image_upload_done(Image *img, const uint8_t tag[IMAGE_TAG_LEN]);
+
+/* Forget which chunks changed: the current keyring is now the base version (after a checkin). */
+int image_changed_reset(Image *img);
+
+void image_status(Image *img, ImageStatus *ret);

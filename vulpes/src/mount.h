@@ -1,0 +1,22 @@
+/* SPDX-License-Identifier: GPL-2.0-or-later */
+#pragma once
+
+#include "daemon.h"
+
+typedef struct FuseOptions {
+        unsigned max_threads;
+        const char *mountpoint;
+        int argc;                      /* libfuse's own options (-o ..., -d), argv[0] first */
+        char **argv;
+} FuseOptions;
+
+typedef struct Mount Mount;
+
+/* Mounts the daemon's files (disk, memory, stats) at the mountpoint. */
+int mount_new(Daemon *d, const FuseOptions *options, Mount **ret);
+
+/* Serves requests until the file system is unmounted or a signal (SIGINT, SIGTERM, SIGHUP) arrives. */
+int mount_run(Mount *m);
+
+/* Unmounts (if still mounted) and frees. */
+Mount *mount_free(Mount *m);

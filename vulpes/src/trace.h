@@ -1,0 +1,36 @@
+/* SPDX-License-Identifier: GPL-2.0-or-later */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "stats.h"
+
+typedef struct Trace Trace;
+
+typedef enum TraceOp {
+        TRACE_READ = 'r',
+        TRACE_WRITE = 'w',
+} TraceOp;
+
+int trace_new(Trace **ret);
+Trace *trace_free(Trace *t);
+
+/*
+ * Starts writing every chunk access to path (appending; a header line starts each run), replacing a
+ * running trace.  Format (doc/vulpes.md): "# vulpes-trace 1 chunk_size=N" then one line per access,
+ * "<unix time, µs precision> <image> <chunk index> <r|w> <source>", source being a StatsTier name.
+ */
+int trace_start(Trace *t, const char *path, uint32_t chunk_size);
+
+/* Stops tracing and flushes the file; returns the number of records written by this run. */
+uint64_t trace_stop(Trace *t);
+
+bool trace_active(Trace *t);
+const char *trace_path(Trace *t);   /* NULL when inactive; valid until the next start or stop */
+
+void trace_record(Trace *t, const char *image, uint64_t idx, TraceOp op, StatsTier source);
+
+/* Formats one record as trace_record() writes it (without newline); used by the unit test. */
+int trace_format(char *buf, size_t size, double when, const char *image, uint64_t idx, TraceOp op,
+                 StatsTier source);

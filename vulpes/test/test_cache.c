@@ -1,0 +1,211 @@
+/* SPDX-License-Identifier: GPL-2.0-or-later */
+/*
+ * Tests for cache.c: put/get, verification and quarantine of a damaged object, batches (nothing visible
+ * before commit), and rebuilding a lost or damaged index from the files.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "cache.h"
+#include "chunk.h"
+#include "crypto.h"
+#include "hex.h"
+
+static const uint8_t secret[CHUNK_SECRET_LEN] = { 7 };
+
+typedef struct Fixture {
+        char dir[64];
+} Fixture;
+
+static int setup(void **state) {
+        Fixture *f = calloc(1, sizeof(*f));
+
+        strcpy(f->dir, "/tmp/test_cache.XXXXXX");
+        if (!mkdtemp(f->dir))
+                return -1;
+        *state = f;
+        return 0;
+}
+
+static int teardown(void **state) {
+        Fixture *f = *state;
+        char cmd[128];
+
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", f->dir);
+        if (system(cmd) != 0)
+                return -1;
+        free(f);
+        return 0;
+}
+
+/* An encoded chunk object of n bytes of pattern p. */
+static void make_object(uint8_t p, size_t n, uint8_t **ret, size_t *ret_len, uint8_t tag[CHUNK_TAG_LEN]) {
+        uint8_t *plain = malloc(n), key[CHUNK_KEY_LEN], flags;
+
+        for (size_t i = 0; i < n; i++)
+                plain[i] = (uint8_t) (p + i * 31 + (i >> 7));
+        *ret = malloc(chunk_object_max_len(n));
+        assert_int_equal(chunk_encode(plain, n, secret, 3, *ret, ret_len, tag, key, &flags), 0);
+        free(plain);
+}
+
+static void object_path(const Fixture *f, const uint8_t tag[CHUNK_TAG_LEN], char *buf, size_t size) {
+        char hex[65];
+
+        hex_encode(tag, CHUNK_TAG_LEN, hex);
+        snprintf(buf, size, "%s/chunks/%.2s/%.2s/%s", f->dir, hex, hex + 2, hex);
+}
+
+static void test_put_get(void **state) {
+        Fixture *f = *state;
+        uint8_t tag[CHUNK_TAG_LEN], *obj, *back;
+        size_t len, back_len;
+        uint64_t objects, bytes;
+        Cache *c;
+
+        assert_int_equal(cache_open(f->dir, &c), 0);
+        make_object(1, 5000, &obj, &len, tag);
+        assert_false(cache_has(c, tag));
+        assert_int_equal(cache_get(c, tag, &back, &back_len), -ENOENT);
+        assert_int_equal(cache_put(c, tag, obj, len, true), 0);
+        assert_true(cache_has(c, tag));
+        assert_int_equal(cache_get(c, tag, &back, &back_len), 0);
+        assert_int_equal(back_len, len);
+        assert_memory_equal(back, obj, len);
+        free(back);
+        /* Replacing with the same bytes is harmless. */
+        assert_int_equal(cache_put(c, tag, obj, len, false), 0);
+        assert_int_equal(cache_usage(c, &objects, &bytes), 0);
+        assert_int_equal(objects, 1);
+        assert_int_equal(bytes, len);
+        free(obj);
+        cache_free(c);
+}
+
+static void test_damaged_object_is_quarantined(void **state) {
+        Fixture *f = *state;
+        uint8_t tag[CHUNK_TAG_LEN], *obj, *back = NULL;
+        size_t len, back_len;
+        char path[256], qdir[128];
+        FILE *file;
+        Cache *c;
+
+        assert_int_equal(cache_open(f->dir, &c), 0);
+        make_object(2, 4096, &obj, &len, tag);
+        assert_int_equal(cache_put(c, tag, obj, len, true), 0);
+        object_path(f, tag, path, sizeof(path));
+        file = fopen(path, "r+b");
+        assert_non_null(file);
+        fseek(file, (long) len / 2, SEEK_SET);
+        fputc(obj[len / 2] ^ 0x01, file);
+        fclose(file);
+
+        assert_int_equal(cache_get(c, tag, &back, &back_len), -EBADMSG);
+        assert_null(back);
+        assert_false(cache_has(c, tag));
+        snprintf(qdir, sizeof(qdir), "%s/quarantine", f->dir);
+        snprintf(path, sizeof(path), "ls '%s' | grep -q .", qdir);
+        assert_int_equal(system(path), 0);
+        /* A truncated file is caught too. */
+        assert_int_equal(cache_put(c, tag, obj, len - 1, false), 0);
+        assert_int_equal(cache_get(c, tag, &back, &back_len), -EBADMSG);
+        free(obj);
+        cache_free(c);
+}
+
+static void test_batch_visible_only_after_commit(void **state) {
+        Fixture *f = *state;
+        uint8_t tags[3][CHUNK_TAG_LEN], *objs[3];
+        size_t lens[3];
+        CacheBatch *b;
+        Cache *c;
+
+        assert_int_equal(cache_open(f->dir, &c), 0);
+        for (int i = 0; i < 3; i++)
+                make_object((uint8_t) (10 + i), 8192, &objs[i], &lens[i], tags[i]);
+
+        assert_int_equal(cache_batch_new(c, &b), 0);
+        for (int i = 0; i < 3; i++)
+                assert_int_equal(cache_batch_add(b, tags[i], objs[i], lens[i]), 0);
+        for (int i = 0; i < 3; i++)
+                assert_false(cache_has(c, tags[i]));
+        assert_int_equal(cache_batch_commit(b), 0);
+        cache_batch_free(b);
+        for (int i = 0; i < 3; i++)
+                assert_true(cache_has(c, tags[i]));
+
+        /* An abandoned batch leaves nothing behind, not even temporary files. */
+        uint8_t tag[CHUNK_TAG_LEN], *obj;
+        size_t len;
+        char cmd[160];
+
+        make_object(99, 8192, &obj, &len, tag);
+        assert_int_equal(cache_batch_new(c, &b), 0);
+        assert_int_equal(cache_batch_add(b, tag, obj, len), 0);
+        cache_batch_free(b);
+        assert_false(cache_has(c, tag));
+        snprintf(cmd, sizeof(cmd), "test -z \"$(ls -A '%s/tmp')\"", f->dir);
+        assert_int_equal(system(cmd), 0);
+
+        for (int i = 0; i < 3; i++)
+                free(objs[i]);
+        free(obj);
+        cache_free(c);
+}
+
+static void test_index_rebuilt_when_lost_or_damaged(void **state) {
+        Fixture *f = *state;
+        uint8_t tag[CHUNK_TAG_LEN], *obj;
+        size_t len, total = 0;
+        uint64_t objects, bytes;
+        char path[160];
+        FILE *file;
+        Cache *c;
+
+        assert_int_equal(cache_open(f->dir, &c), 0);
+        for (int i = 0; i < 5; i++) {
+                make_object((uint8_t) (40 + i), 4096 + (size_t) i * 1000, &obj, &len, tag);
+                assert_int_equal(cache_put(c, tag, obj, len, false), 0);
+                total += len;
+                free(obj);
+        }
+        cache_free(c);
+
+        snprintf(path, sizeof(path), "%s/index.sqlite", f->dir);
+        assert_int_equal(unlink(path), 0);
+        assert_int_equal(cache_open(f->dir, &c), 0);
+        assert_int_equal(cache_usage(c, &objects, &bytes), 0);
+        assert_int_equal(objects, 5);
+        assert_int_equal(bytes, total);
+        cache_free(c);
+
+        /* Garbage where the index was: moved aside and rebuilt. */
+        file = fopen(path, "wb");
+        fputs("this is not an sqlite database, not even close; it is long enough to look like one", file);
+        fclose(file);
+        assert_int_equal(cache_open(f->dir, &c), 0);
+        assert_int_equal(cache_usage(c, &objects, &bytes), 0);
+        assert_int_equal(objects, 5);
+        cache_free(c);
+}
+
+int main(void) {
+        const struct CMUnitTest tests[] = {
+                cmocka_unit_test_setup_teardown(test_put_get, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_damaged_object_is_quarantined, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_batch_visible_only_after_commit, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_index_rebuilt_when_lost_or_damaged, setup, teardown),
+        };
+
+        return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,252 @@
+/* SPDX-License-Identifier: GPL-2.0-or-later */
+/*
+ * Tests for image.c without FUSE or a server: read-modify-write against a model (unaligned, chunk-crossing,
+ * the short last chunk), flush to cache and keyring and reopening from them, all-zero chunks losing their
+ * record, the RAM bound, upload bookkeeping, a definitive error for a chunk that exists nowhere, and the
+ * trace line format.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "cache.h"
+#include "chunk.h"
+#include "hex.h"
+#include "image.h"
+#include "keyring.h"
+#include "log.h"
+#include "stats.h"
+#include "trace.h"
+
+#define CS 4096u
+#define IMAGE_BYTES (20 * CS + 1536)     /* 21 chunks, the last one short */
+
+static const uint8_t keys[64] = { 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, [40] = 0x55 };
+
+typedef struct Fixture {
+        char dir[64];
+        char keyring[128];
+        char cache_dir[128];
+        Stats stats;
+        Trace *trace;
+        Cache *cache;
+        uint8_t model[IMAGE_BYTES];
+} Fixture;
+
+static int setup(void **state) {
+        Fixture *f = calloc(1, sizeof(*f));
+        Keyring *k;
+
+        strcpy(f->dir, "/tmp/test_image.XXXXXX");
+        if (!mkdtemp(f->dir))
+                return -1;
+        snprintf(f->keyring, sizeof(f->keyring), "%s/keyring.disk", f->dir);
+        snprintf(f->cache_dir, sizeof(f->cache_dir), "%s/cache", f->dir);
+        if (keyring_create(f->keyring, CS, IMAGE_BYTES, &k) < 0)
+                return -1;
+        keyring_free(k);
+        if (trace_new(&f->trace) < 0 || cache_open(f->cache_dir, &f->cache) < 0)
+                return -1;
+        *state = f;
+        return 0;
+}
+
+static int teardown(void **state) {
+        Fixture *f = *state;
+        char cmd[128];
+
+        cache_free(f->cache);
+        trace_free(f->trace);
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", f->dir);
+        if (system(cmd) != 0)
+                return -1;
+        free(f);
+        return 0;
+}
+
+static Image *open_image(Fixture *f, uint64_t ram_limit) {
+        ImageSources sources = {
+                .cache = f->cache,
+                .stats = &f->stats,
+                .trace = f->trace,
+                .parcel_key = keys,
+                .secret = keys + 32,
+        };
+        Image *img = NULL;
+
+        assert_int_equal(image_open("disk", f->keyring, &sources, ram_limit, 3600000, &img), 0);
+        return img;
+}
+
+static void check_all(Image *img, const uint8_t *model) {
+        static uint8_t buf[IMAGE_BYTES];
+
+        assert_int_equal(image_read(img, buf, IMAGE_BYTES, 0), IMAGE_BYTES);
+        assert_memory_equal(buf, model, IMAGE_BYTES);
+}
+
+static void test_read_modify_write_against_model(void **state) {
+        Fixture *f = *state;
+        uint8_t buf[3 * CS + 100];
+        Image *img = open_image(f, 64 * CS);
+        unsigned seed = 1;
+
+        assert_int_equal(image_size(img), IMAGE_BYTES);
+        assert_int_equal(image_chunk_count(img), 21);
+        check_all(img, f->model);
+
+        for (int step = 0; step < 300; step++) {
+                uint64_t off = (uint64_t) rand_r(&seed) % IMAGE_BYTES;
+                size_t len = 1 + (size_t) rand_r(&seed) % sizeof(buf);
+
+                if (len > IMAGE_BYTES - off)
+                        len = IMAGE_BYTES - off;
+                if (rand_r(&seed) % 2) {
+                        for (size_t i = 0; i < len; i++)
+                                buf[i] = (uint8_t) rand_r(&seed);
+                        assert_int_equal(image_write(img, buf, len, off), (ssize_t) len);
+                        memcpy(f->model + off, buf, len);
+                } else {
+                        assert_int_equal(image_read(img, buf, len, off), (ssize_t) len);
+                        assert_memory_equal(buf, f->model + off, len);
+                }
+        }
+        /* Reads and writes past the end are clipped. */
+        assert_int_equal(image_read(img, buf, 100, IMAGE_BYTES - 10), 10);
+        assert_int_equal(image_read(img, buf, 100, IMAGE_BYTES), 0);
+        assert_int_equal(image_write(img, buf, 100, IMAGE_BYTES - 10), 10);
+        memcpy(f->model + IMAGE_BYTES - 10, buf, 10);
+        check_all(img, f->model);
+
+        assert_int_equal(image_flush(img), 0);
+        ImageStatus st;
+
+        image_status(img, &st);
+        assert_int_equal(st.dirty_chunks, 0);
+        assert_true(st.records > 0);
+        assert_int_equal(st.changed_chunks, st.records);
+        image_free(img);
+
+        /* A fresh image with an empty RAM cache reads everything back from the cache files. */
+        img = open_image(f, 64 * CS);
+        check_all(img, f->model);
+        image_free(img);
+}
+
+static void test_zero_chunk_loses_record(void **state) {
+        Fixture *f = *state;
+        uint8_t data[CS];
+        uint8_t tag[IMAGE_TAG_LEN];
+        Image *img = open_image(f, 64 * CS);
+
+        memset(data, 0xab, sizeof(data));
+        assert_int_equal(image_write(img, data, CS, 5 * CS), CS);
+        assert_int_equal(image_flush(img), 0);
+        assert_int_equal(image_chunk_tag(img, 5, tag), 0);
+        memset(data, 0, sizeof(data));
+        assert_int_equal(image_write(img, data, CS, 5 * CS), CS);
+        assert_int_equal(image_flush(img), 0);
+        assert_int_equal(image_chunk_tag(img, 5, tag), -ENOENT);
+        image_free(img);
+
+        Keyring *k;
+        KeyringRecord rec;
+
+        assert_int_equal(keyring_open(f->keyring, &k), 0);
+        assert_int_equal(keyring_get(k, 5, &rec), -ENOENT);
+        keyring_free(k);
+}
+
+static void test_ram_bound_and_uploads(void **state) {
+        Fixture *f = *state;
+        uint8_t (*tags)[IMAGE_TAG_LEN] = malloc(64 * IMAGE_TAG_LEN);
+        uint8_t data[CS];
+        size_t n = 0;
+        ImageStatus st;
+        Image *img = open_image(f, 8 * CS);
+
+        for (uint64_t i = 0; i < 21; i++) {
+                memset(data, (int) i + 1, sizeof(data));
+                assert_int_equal(image_write(img, data, i == 20 ? 1536 : CS, i * CS), i == 20 ? 1536 : CS);
+                memset(f->model + i * CS, (int) i + 1, i == 20 ? 1536 : CS);
+        }
+        assert_int_equal(image_flush(img), 0);
+        check_all(img, f->model);
+        image_status(img, &st);
+        assert_true(st.ram_bytes <= 8 * CS);
+        assert_int_equal(st.pending_uploads, 21);
+
+        assert_int_equal(image_uploads_next(img, tags, 64, &n), 0);
+        assert_int_equal(n, 21);
+        for (size_t i = 0; i < 10; i++)
+                assert_int_equal(image_upload_done(img, tags[i]), 0);
+        /* Rewriting a chunk makes its old tag pointless to upload. */
+        memset(data, 0x77, sizeof(data));
+        assert_int_equal(image_write(img, data, CS, 0), CS);
+        assert_int_equal(image_flush(img), 0);
+        assert_int_equal(image_uploads_next(img, tags, 64, &n), 0);
+        image_status(img, &st);
+        assert_int_equal(st.pending_uploads, n);
+        assert_true(n == 11 || n == 12);
+        assert_int_equal(image_changed_reset(img), 0);
+        image_status(img, &st);
+        assert_int_equal(st.changed_chunks, 0);
+        image_free(img);
+        free(tags);
+}
+
+static void test_missing_everywhere_is_eio(void **state) {
+        Fixture *f = *state;
+        uint8_t data[CS], tag[IMAGE_TAG_LEN];
+        char hex[65], path[256];
+        Image *img = open_image(f, 64 * CS);
+
+        memset(data, 0x42, sizeof(data));
+        assert_int_equal(image_write(img, data, CS, 2 * CS), CS);
+        assert_int_equal(image_flush(img), 0);
+        assert_int_equal(image_chunk_tag(img, 2, tag), 0);
+        image_free(img);
+
+        hex_encode(tag, IMAGE_TAG_LEN, hex);
+        snprintf(path, sizeof(path), "%s/chunks/%.2s/%.2s/%s", f->cache_dir, hex, hex + 2, hex);
+        assert_int_equal(unlink(path), 0);
+        img = open_image(f, 64 * CS);
+        log_set_max_level(LOG_EMERG);        /* the expected error line */
+        assert_int_equal(image_read(img, data, 10, 2 * CS), -EIO);
+        log_set_max_level(LOG_INFO);
+        assert_int_equal(image_read(img, data, 10, 3 * CS), 10);       /* other chunks are fine */
+        image_free(img);
+}
+
+static void test_trace_format(void **state) {
+        char line[128];
+
+        (void) state;
+        trace_format(line, sizeof(line), 1700000000.123456, "memory", 42, TRACE_WRITE, STATS_TIER_LOOKASIDE);
+        assert_string_equal(line, "1700000000.123456 memory 42 w lookaside");
+        trace_format(line, sizeof(line), 1.0, "disk", 0, TRACE_READ, STATS_TIER_RAM);
+        assert_string_equal(line, "1.000000 disk 0 r ram");
+        assert_int_equal(stats_latency_bound(0), 500);
+        assert_int_equal(stats_latency_bound(STATS_LATENCY_BUCKETS - 1), UINT64_MAX);
+}
+
+int main(void) {
+        const struct CMUnitTest tests[] = {
+                cmocka_unit_test_setup_teardown(test_read_modify_write_against_model, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_zero_chunk_loses_record, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_ram_bound_and_uploads, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_missing_everywhere_is_eio, setup, teardown),
+                cmocka_unit_test(test_trace_format),
+        };
+
+        return cmocka_run_group_tests(tests, NULL, NULL);
+}
