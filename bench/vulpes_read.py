@@ -3,6 +3,8 @@
 
     .venv/bin/python bench/vulpes_read.py [--size-mib 512] [--random-reads 20000] [--trials 3]
 
+The daemon is $ISR_BUILD_DIR/vulpes/vulpes (default build/vulpes/vulpes).
+
 Builds an image (half random, half text-like chunks, no zero chunks), encodes it as a parcel with the
 Python reference implementation, and puts every chunk object in the vulpes cache directory (a fully
 hoarded parcel: "warm cache"). The plain file has the same bytes on the same file system. Each trial
@@ -66,7 +68,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--no-update", action="store_true", help="do not update BENCHMARKS.md")
     args = parser.parse_args()
-    binary = REPO / "build" / "vulpes" / "vulpes"
+    binary = Path(os.environ.get("ISR_BUILD_DIR", REPO / "build")) / "vulpes" / "vulpes"
     size = args.size_mib * MIB
 
     with tempfile.TemporaryDirectory(prefix="vulpes-read-", dir="/var/tmp") as tmp:
@@ -117,12 +119,14 @@ def main() -> None:
 every chunk object already in the vulpes cache (a hoarded parcel), no server. The kernel page cache is
 dropped before the plain file and the "cache files on disk" runs: there vulpes opens one cache file per
 chunk (chunks/ab/cd/<tag>, cold directories and inodes included), verifies it (SHA-256), decrypts it
-(AES-256-GCM) and decompresses it (zstd). "Cache files in page cache" is a fresh vulpes (empty RAM cache)
+(AES-256-GCM) and decompresses it (zstd); on a sequential pattern its readahead workers do that for the
+next 8 MiB in parallel (doc/vulpes.md, "Read path"). "Cache files in page cache" is a fresh vulpes (empty RAM cache)
 right after, so the cache files are in the kernel's page cache: the cost of verifying and decoding alone.
 "RAM cache" is a second pass in the first mount with the page cache dropped: vulpes's plaintext RAM cache
 holds every chunk, so it measures the FUSE path. Ratios to the plain file in parentheses. Random reads: {args.random_reads} 4 KiB reads at the same random aligned offsets for both sides.
-Median of {args.trials} trials. The machine is shared with other work and its virtual disk is cached by
-the host, so single trials of the plain file swing widely; compare within a trial (all trials are listed).
+Median of {args.trials} trials. The machine is shared with other work (another session was booting QEMU
+guests during these runs) and its virtual disk is cached by the host, so single trials swing widely;
+compare within a trial (all trials are listed).
 
 Machine: {machine()}. Date: {today()}. Command: `.venv/bin/python bench/vulpes_read.py --size-mib {args.size_mib}
 --random-reads {args.random_reads} --trials {args.trials}`.

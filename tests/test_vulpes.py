@@ -12,6 +12,7 @@ import json
 import mmap
 import os
 import random
+import sqlite3
 import subprocess
 import threading
 import time
@@ -316,6 +317,112 @@ def test_redirect_to_another_origin_gets_no_token(vulpes_binary: Path, tmp_path:
     finally:
         server.stop()
         bucket.stop()
+
+
+# --- the cache's size limit ------------------------------------------------------------------------------
+
+def cache_bytes_on_disk(cache: Path) -> int:
+    return sum(p.stat().st_size for p in (cache / "chunks").rglob("*") if p.is_file())
+
+
+def pending_tags(state_dir: Path, image: str = "disk") -> list[bytes]:
+    with sqlite3.connect(state_dir / f"keyring.{image}") as db:
+        return [row[0] for row in db.execute("SELECT tag FROM vulpes_uploads")]
+
+
+def test_cache_limit_evicts_and_refetches(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
+    """Reading four times the limit keeps the cache under it; evicted chunks come back from the server."""
+    limit = 4 * MIB
+    content = random_image(16 * MIB, seed=41, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    state.publish(isr_server.store)
+    cache = tmp_path / "cache"
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server, extra=["--cache-limit=4M"]) as v:
+        assert read_all(v.path("disk")) == content
+        status = wait_for(lambda: (s := v.status())["cache"]["bytes"] <= limit and s, 30, "eviction")
+        assert status["cache"]["limit"] == limit and status["cache"]["evictions"] > 0
+        assert status["cache"]["pinned"] == 0
+        assert status["hits"]["server"] == len(state.records["disk"])
+        assert cache_bytes_on_disk(cache) <= limit
+    # A fresh daemon (empty RAM cache): what was evicted is fetched again, and the bytes are right.
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server, extra=["--cache-limit=4"]) as v:
+        assert read_all(v.path("disk")) == content
+        status = v.status()
+        assert 0 < status["hits"]["server"] < len(state.records["disk"]) and status["hits"]["cache"] > 0
+        wait_for(lambda: v.status()["cache"]["bytes"] <= limit, 30, "eviction")
+        assert cache_bytes_on_disk(cache) <= limit
+
+
+def test_cache_limit_never_evicts_pending_uploads(vulpes_binary: Path, isr_server: IsrServer,
+                                                  tmp_path: Path) -> None:
+    """Flushed writes that the server does not have are pinned: eviction pressure and kill -9 leave them."""
+    content = random_image(8 * MIB, seed=43, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    state.publish(isr_server.store)
+    model = bytearray(content)
+    written = random.Random(7).randbytes(3 * MIB)
+    model[:len(written)] = written
+    cache = tmp_path / "cache"
+    v = server_vulpes(vulpes_binary, tmp_path, state, isr_server,
+                      extra=["--cache-limit=1M", "--flush-interval=3600000", "--ram-cache=2"])
+    v.start()
+    try:
+        with open(v.path("disk"), "r+b", buffering=0) as f:
+            f.write(written)
+            os.fsync(f.fileno())
+        tags = pending_tags(state.state_dir)
+        assert len(tags) == len(written) // CHUNK_SIZE
+        # Pressure: read the rest of the image (from the server, through the small cache).
+        drop_caches(v.path("disk"))
+        assert read_all(v.path("disk"))[len(written):] == model[len(written):]
+        status = wait_for(lambda: (s := v.status())["cache"]["evictions"] > 0 and s, 30, "eviction")
+        assert status["cache"]["pinned"] == len(tags)
+        assert status["cache"]["bytes"] > 1 * MIB, "the pinned objects alone are over the limit"
+        assert all(chunk_path(cache, tag).exists() for tag in tags)
+    finally:
+        v.kill()
+    assert all(chunk_path(cache, tag).exists() for tag in tags)
+    # Restarted offline: the written chunks are local, re-pinned from the keyring, and read back right.
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server, extra=["--cache-limit=1M", "--offline"]) as v:
+        with open(v.path("disk"), "rb") as f:
+            assert f.read(len(written)) == written
+        assert v.status()["cache"]["pinned"] == len(tags)
+        v.control({"op": "online"})
+        assert v.control({"op": "upload"})["ok"]
+        # Uploaded: no longer pinned, so the limit applies to them too.
+        status = wait_for(lambda: (s := v.status())["cache"]["pinned"] == 0 and s["cache"]["bytes"] <= 1 * MIB
+                          and s, 30, "unpinned objects evicted")
+        assert status["images"]["disk"]["pending_uploads"] == 0
+
+
+def test_two_vulpes_share_one_limited_cache(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
+    """One vulpes's eviction never removes another's pending uploads; both read correct bytes."""
+    content_a = random_image(4 * MIB, seed=45, data_fraction=1.0)
+    content_b = random_image(12 * MIB, seed=46, data_fraction=1.0)
+    state_a = make_state(tmp_path / "state-a", content_a, 1 * MIB, seed=2)
+    state_b = make_state(tmp_path / "state-b", content_b, 1 * MIB, seed=3)
+    state_a.publish(isr_server.store)
+    state_b.publish(isr_server.store)
+    written = random.Random(9).randbytes(2 * MIB)
+    cache = tmp_path / "cache"
+    with server_vulpes(vulpes_binary, tmp_path, state_a, isr_server, name="mnt-a",
+                       extra=["--flush-interval=3600000"]) as a, \
+            server_vulpes(vulpes_binary, tmp_path, state_b, isr_server, name="mnt-b",
+                          extra=["--cache-limit=2M"]) as b:
+        with open(a.path("disk"), "r+b", buffering=0) as f:
+            f.write(written)
+            os.fsync(f.fileno())
+        tags = pending_tags(state_a.state_dir)
+        assert tags and b.status()["cache"]["pinned"] == len(tags)
+        assert read_all(b.path("disk")) == content_b
+        # b's limit applies to the whole cache; a's pinned objects may keep it above the limit.
+        status = wait_for(lambda: (s := b.status())["cache"]["evictions"] > 0
+                          and s["cache"]["bytes"] <= 2 * MIB + 2 * len(written) and s, 30, "eviction by b")
+        assert all(chunk_path(cache, tag).exists() for tag in tags)
+        drop_caches(a.path("disk"))
+        assert read_all(a.path("disk")) == written + content_a[len(written):]
+        assert status["cache"]["evictions_total"] >= status["cache"]["evictions"] > 0
+    assert all(chunk_path(cache, tag).exists() for tag in tags)
 
 
 # --- control socket: hoard, offline, traces, writeback ---------------------------------------------------

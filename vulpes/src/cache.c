@@ -9,8 +9,17 @@
  * temporary file in dir/tmp and rename(), so a name never points at a half-written file unless a crash
  * hit a non-durable put, and then the next read's verification catches it.
  *
- * Threading: every function is safe from any thread (the index has its own mutex); several processes may
- * share one cache directory (sqlite WAL, unique temporary names).
+ * Size limit (cache_set_limit()): an evictor thread removes least recently used objects until the
+ * cache is below 90 % of the limit.  Last use is recorded in the index in batches (a read only notes the
+ * tag in memory), so reads never write sqlite.  Objects named in the pins table are never evicted: each
+ * vulpes pins every object that is its only copy of acknowledged writes (pending uploads) before the object
+ * becomes visible under its name (cache_batch_commit()), and unpins it once the server has it.  Eviction
+ * selects, deletes rows and unlinks files inside one write transaction, and pinning is a write
+ * transaction too, so another process cannot pin a tag between the check and the unlink.  An open file
+ * that is unlinked stays readable, so a reader in another process is never disturbed.
+ *
+ * Threading: every function is safe from any thread (the index has its own mutex); with a limit, one
+ * evictor thread.  Several processes may share one cache directory (sqlite WAL, unique temporary names).
  */
 #define _GNU_SOURCE
 #include "cache.h"
@@ -40,6 +49,9 @@ enum {
         INDEX_BUSY_TIMEOUT_MS = 10000,
         TMP_MAX_AGE_SECONDS = 3600,      /* older temporary files are leftovers of a crashed writer */
         BATCH_SMALL = 16,                /* up to this many objects, sync file by file instead of syncfs() */
+        USES_MAX = 512,                  /* last-use notes kept in memory before they are written */
+        EVICT_INTERVAL_MS = 2000,        /* the evictor looks at the size at least this often */
+        EVICT_STEP = 64,                 /* objects per eviction transaction */
 };
 
 struct Cache {
@@ -49,6 +61,18 @@ struct Cache {
         sqlite3 *index;
         sqlite3_stmt *insert_stmt;
         sqlite3_stmt *delete_stmt;
+        char *owner;                     /* who pins: the state directory of this vulpes */
+
+        uint8_t (*uses)[CACHE_TAG_LEN];  /* read since the last write of last-use times */
+        size_t n_uses;
+
+        /* The evictor, under lock. */
+        uint64_t limit;                  /* bytes, 0: none */
+        uint64_t evictions;              /* by this process */
+        uint64_t put_bytes;              /* since the evictor last looked */
+        pthread_t evictor;
+        bool evictor_started, stopping, evict_wanted;
+        pthread_cond_t evict_cond;
 };
 
 typedef struct BatchEntry {
@@ -59,6 +83,7 @@ typedef struct BatchEntry {
 
 struct CacheBatch {
         Cache *cache;
+        bool pin;
         BatchEntry *entries;
         size_t n, capacity;
 };
@@ -127,6 +152,26 @@ static void index_close(Cache *c) {
         c->index = NULL;
 }
 
+/* Indexes written before the size limit existed have no used column: add it (ordered by when added). */
+static int index_add_used_column(Cache *c) {
+        sqlite3_stmt *stmt = NULL;
+        bool has = false;
+
+        if (sqlite3_prepare_v2(c->index, "SELECT 1 FROM pragma_table_info('objects') WHERE name = 'used'", -1, &stmt,
+                               NULL) != SQLITE_OK)
+                return -EIO;
+        has = sqlite3_step(stmt) == SQLITE_ROW;
+        sqlite3_finalize(stmt);
+        if (has)
+                return 0;
+        if (sqlite3_exec(c->index,
+                         "ALTER TABLE objects ADD COLUMN used INTEGER NOT NULL DEFAULT 0;"
+                         "UPDATE objects SET used = added * 1000000;",
+                         NULL, NULL, NULL) != SQLITE_OK)
+                return -EIO;
+        return 0;
+}
+
 /* Opens the index; returns 1 if it was created empty (so it needs a rebuild), -EBADMSG if damaged. */
 static int index_connect(Cache *c) {
         char path[PATH_MAX];
@@ -158,10 +203,20 @@ static int index_connect(Cache *c) {
         tables = sqlite3_column_int64(stmt, 0);
         sqlite3_finalize(stmt);
         stmt = NULL;
+        /* used: last read or write (microseconds), the LRU order; pins: objects that must not be evicted, by owner
+         * (a state directory); meta: the eviction count of every process, for honest hoard reports. */
         if (sqlite3_exec(c->index,
                          "CREATE TABLE IF NOT EXISTS objects (tag BLOB PRIMARY KEY, size INTEGER NOT NULL, "
                          "added INTEGER NOT NULL) WITHOUT ROWID", NULL, NULL, NULL) != SQLITE_OK ||
-            sqlite3_prepare_v3(c->index, "INSERT OR REPLACE INTO objects (tag, size, added) VALUES (?1, ?2, ?3)",
+            index_add_used_column(c) < 0 ||
+            sqlite3_exec(c->index,
+                         "CREATE INDEX IF NOT EXISTS objects_used ON objects (used);"
+                         "CREATE TABLE IF NOT EXISTS pins (tag BLOB NOT NULL, owner TEXT NOT NULL, "
+                         "PRIMARY KEY (tag, owner)) WITHOUT ROWID;"
+                         "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);",
+                         NULL, NULL, NULL) != SQLITE_OK ||
+            sqlite3_prepare_v3(c->index,
+                               "INSERT OR REPLACE INTO objects (tag, size, added, used) VALUES (?1, ?2, ?3, ?4)",
                                -1, SQLITE_PREPARE_PERSISTENT, &c->insert_stmt, NULL) != SQLITE_OK ||
             sqlite3_prepare_v3(c->index, "DELETE FROM objects WHERE tag = ?1", -1, SQLITE_PREPARE_PERSISTENT,
                                &c->delete_stmt, NULL) != SQLITE_OK)
@@ -202,11 +257,27 @@ static int index_open(Cache *c) {
         return r;
 }
 
+static int64_t now_us(void) {
+        struct timespec ts;
+
+        clock_gettime(CLOCK_REALTIME, &ts);
+        return (int64_t) ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+static void evictor_kick_locked(Cache *c) {
+        c->evict_wanted = true;
+        pthread_cond_signal(&c->evict_cond);
+}
+
 static void index_insert(Cache *c, const uint8_t tag[CACHE_TAG_LEN], size_t len) {
         pthread_mutex_lock(&c->lock);
+        c->put_bytes += len;
+        if (c->limit > 0 && c->put_bytes > c->limit / 16)
+                evictor_kick_locked(c);
         sqlite3_bind_blob(c->insert_stmt, 1, tag, CACHE_TAG_LEN, SQLITE_STATIC);
         sqlite3_bind_int64(c->insert_stmt, 2, (int64_t) len);
         sqlite3_bind_int64(c->insert_stmt, 3, (int64_t) time(NULL));
+        sqlite3_bind_int64(c->insert_stmt, 4, now_us());
         if (sqlite3_step(c->insert_stmt) != SQLITE_DONE)
                 log_warning("failed to update cache index in %s: %s", c->dir, sqlite3_errmsg(c->index));
         sqlite3_reset(c->insert_stmt);
@@ -255,6 +326,7 @@ int cache_rebuild_index(Cache *c) {
                                 sqlite3_bind_blob(c->insert_stmt, 1, tag, CACHE_TAG_LEN, SQLITE_TRANSIENT);
                                 sqlite3_bind_int64(c->insert_stmt, 2, (int64_t) st.st_size);
                                 sqlite3_bind_int64(c->insert_stmt, 3, (int64_t) st.st_mtime);
+                                sqlite3_bind_int64(c->insert_stmt, 4, (int64_t) st.st_mtime * 1000000);
                                 sqlite3_step(c->insert_stmt);
                                 sqlite3_reset(c->insert_stmt);
                                 n++;
@@ -268,6 +340,318 @@ int cache_rebuild_index(Cache *c) {
 out_unlock:
         pthread_mutex_unlock(&c->lock);
         return r;
+}
+
+/* --- last use, pins, eviction ----------------------------------------------------------------------- */
+
+/* Writes the noted last uses in one transaction; with the lock held.  Losing them costs only LRU order. */
+static void uses_flush_locked(Cache *c) {
+        sqlite3_stmt *stmt = NULL;
+        int64_t now = now_us();
+
+        if (c->n_uses == 0)
+                return;
+        if (sqlite3_exec(c->index, "BEGIN", NULL, NULL, NULL) != SQLITE_OK)
+                goto out;
+        if (sqlite3_prepare_v2(c->index, "UPDATE objects SET used = ?2 WHERE tag = ?1", -1, &stmt, NULL) == SQLITE_OK) {
+                for (size_t i = 0; i < c->n_uses; i++) {
+                        sqlite3_bind_blob(stmt, 1, c->uses[i], CACHE_TAG_LEN, SQLITE_STATIC);
+                        sqlite3_bind_int64(stmt, 2, now);
+                        sqlite3_step(stmt);
+                        sqlite3_reset(stmt);
+                }
+        }
+        sqlite3_finalize(stmt);
+        if (sqlite3_exec(c->index, "COMMIT", NULL, NULL, NULL) != SQLITE_OK) {
+                log_warning("failed to update cache index in %s: %s", c->dir, sqlite3_errmsg(c->index));
+                sqlite3_exec(c->index, "ROLLBACK", NULL, NULL, NULL);
+        }
+out:
+        c->n_uses = 0;
+}
+
+static void use_note(Cache *c, const uint8_t tag[CACHE_TAG_LEN]) {
+        pthread_mutex_lock(&c->lock);
+        if (c->uses) {
+                memcpy(c->uses[c->n_uses++], tag, CACHE_TAG_LEN);
+                if (c->n_uses == USES_MAX)
+                        uses_flush_locked(c);
+        }
+        pthread_mutex_unlock(&c->lock);
+}
+
+int cache_set_owner(Cache *c, const char *owner) {
+        char *copy = strdup(owner);
+
+        if (!copy)
+                return -ENOMEM;
+        pthread_mutex_lock(&c->lock);
+        free(c->owner);
+        c->owner = copy;
+        pthread_mutex_unlock(&c->lock);
+        return 0;
+}
+
+/*
+ * Runs one statement per tag (bound as ?1, the owner as ?2) in one write transaction, after dropping
+ * every pin of this owner if reset; lock held.
+ */
+static int pins_update_locked(Cache *c, bool reset, const char *sql, const uint8_t (*tags)[CACHE_TAG_LEN],
+                              size_t n) {
+        sqlite3_stmt *stmt = NULL;
+        int r = 0;
+
+        if (sqlite3_exec(c->index, "BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK)
+                goto fail;
+        if (reset) {
+                if (sqlite3_prepare_v2(c->index, "DELETE FROM pins WHERE owner = ?1", -1, &stmt, NULL) != SQLITE_OK)
+                        goto fail_rollback;
+                sqlite3_bind_text(stmt, 1, c->owner ? c->owner : "", -1, SQLITE_STATIC);
+                if (sqlite3_step(stmt) != SQLITE_DONE)
+                        goto fail_rollback;
+                sqlite3_finalize(stmt);
+                stmt = NULL;
+        }
+        if (sqlite3_prepare_v2(c->index, sql, -1, &stmt, NULL) != SQLITE_OK)
+                goto fail_rollback;
+        for (size_t i = 0; i < n; i++) {
+                sqlite3_bind_blob(stmt, 1, tags[i], CACHE_TAG_LEN, SQLITE_STATIC);
+                sqlite3_bind_text(stmt, 2, c->owner ? c->owner : "", -1, SQLITE_STATIC);
+                if (sqlite3_step(stmt) != SQLITE_DONE)
+                        goto fail_rollback;
+                sqlite3_reset(stmt);
+        }
+        sqlite3_finalize(stmt);
+        if (sqlite3_exec(c->index, "COMMIT", NULL, NULL, NULL) != SQLITE_OK)
+                goto fail_rollback;
+        return 0;
+
+fail_rollback:
+        r = -EIO;
+        log_error("failed to update the pins in cache index %s: %s", c->dir, sqlite3_errmsg(c->index));
+        sqlite3_finalize(stmt);
+        sqlite3_exec(c->index, "ROLLBACK", NULL, NULL, NULL);
+        return r;
+fail:
+        log_error("failed to update the pins in cache index %s: %s", c->dir, sqlite3_errmsg(c->index));
+        return -EIO;
+}
+
+int cache_pin(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n) {
+        int r;
+
+        if (n == 0)
+                return 0;
+        pthread_mutex_lock(&c->lock);
+        r = pins_update_locked(c, false, "INSERT OR IGNORE INTO pins (tag, owner) VALUES (?1, ?2)", tags, n);
+        pthread_mutex_unlock(&c->lock);
+        return r;
+}
+
+int cache_unpin(Cache *c, const uint8_t tag[CACHE_TAG_LEN]) {
+        int r;
+
+        pthread_mutex_lock(&c->lock);
+        r = pins_update_locked(c, false, "DELETE FROM pins WHERE tag = ?1 AND owner = ?2",
+                               (const uint8_t (*)[CACHE_TAG_LEN]) tag, 1);
+        pthread_mutex_unlock(&c->lock);
+        return r;
+}
+
+int cache_pins_replace(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n) {
+        int r;
+
+        pthread_mutex_lock(&c->lock);
+        r = pins_update_locked(c, true, "INSERT OR IGNORE INTO pins (tag, owner) VALUES (?1, ?2)", tags, n);
+        pthread_mutex_unlock(&c->lock);
+        return r;
+}
+
+static int64_t index_query_int64(Cache *c, const char *sql) {
+        sqlite3_stmt *stmt = NULL;
+        int64_t v = -1;
+
+        if (sqlite3_prepare_v2(c->index, sql, -1, &stmt, NULL) == SQLITE_OK && sqlite3_step(stmt) == SQLITE_ROW)
+                v = sqlite3_column_int64(stmt, 0);
+        sqlite3_finalize(stmt);
+        return v;
+}
+
+/*
+ * Removes up to EVICT_STEP least recently used unpinned objects while the cache is above low; lock held.
+ * Selecting, unlinking and deleting the rows happen in one write transaction: a pin (also a write
+ * transaction) lands either before it, and the object is not selected, or after, and its file is put
+ * back by the rename that follows every pin.  Returns the objects evicted or a negative errno.
+ */
+static int evict_step_locked(Cache *c, uint64_t *total, uint64_t low) {
+        sqlite3_stmt *select = NULL, *del = NULL;
+        uint8_t tags[EVICT_STEP][CACHE_TAG_LEN];
+        int64_t sizes[EVICT_STEP];
+        int n = 0, n_candidates = 0, r;
+
+        if (sqlite3_exec(c->index, "BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK)
+                return -EIO;
+        if (sqlite3_prepare_v2(c->index,
+                               "SELECT tag, size FROM objects WHERE tag NOT IN (SELECT tag FROM pins) "
+                               "ORDER BY used, added LIMIT ?1", -1, &select, NULL) != SQLITE_OK ||
+            sqlite3_prepare_v2(c->index, "DELETE FROM objects WHERE tag = ?1", -1, &del, NULL) != SQLITE_OK) {
+                r = -EIO;
+                goto out_rollback;
+        }
+        /* Candidates first: the table must not change under a running SELECT. */
+        sqlite3_bind_int(select, 1, EVICT_STEP);
+        while (n_candidates < EVICT_STEP && sqlite3_step(select) == SQLITE_ROW) {
+                if (sqlite3_column_bytes(select, 0) != CACHE_TAG_LEN)
+                        continue;
+                memcpy(tags[n_candidates], sqlite3_column_blob(select, 0), CACHE_TAG_LEN);
+                sizes[n_candidates++] = sqlite3_column_int64(select, 1);
+        }
+        sqlite3_finalize(select);
+        select = NULL;
+        for (; n < n_candidates && *total > low; n++) {
+                char rel[sizeof("chunks/ab/cd/") + TAG_HEX_LEN];
+
+                object_relpath(tags[n], rel);
+                if (unlinkat(c->dir_fd, rel, 0) < 0 && errno != ENOENT) {
+                        r = -errno;
+                        log_error("failed to evict cache object %s/%s: %s", c->dir, rel, strerror(-r));
+                        goto out_rollback;
+                }
+                sqlite3_bind_blob(del, 1, tags[n], CACHE_TAG_LEN, SQLITE_STATIC);
+                sqlite3_step(del);
+                sqlite3_reset(del);
+                *total -= (uint64_t) sizes[n] < *total ? (uint64_t) sizes[n] : *total;
+        }
+        sqlite3_finalize(del);
+        del = NULL;
+        if (n > 0) {
+                char sql[160];
+
+                snprintf(sql, sizeof(sql),
+                         "INSERT INTO meta (name, value) VALUES ('evictions', %d) "
+                         "ON CONFLICT (name) DO UPDATE SET value = value + %d", n, n);
+                if (sqlite3_exec(c->index, sql, NULL, NULL, NULL) != SQLITE_OK) {
+                        r = -EIO;
+                        goto out_rollback;
+                }
+        }
+        if (sqlite3_exec(c->index, "COMMIT", NULL, NULL, NULL) != SQLITE_OK) {
+                r = -EIO;
+                goto out_rollback;
+        }
+        c->evictions += (uint64_t) n;
+        return n;
+
+out_rollback:
+        sqlite3_finalize(select);
+        sqlite3_finalize(del);
+        sqlite3_exec(c->index, "ROLLBACK", NULL, NULL, NULL);
+        return r;
+}
+
+/* Brings the cache below 90 % of its limit, least recently used first; lock held. */
+static int evict_locked(Cache *c) {
+        uint64_t low = c->limit / 10 * 9, total;
+        int64_t bytes;
+        int r = 0;
+
+        uses_flush_locked(c);
+        bytes = index_query_int64(c, "SELECT coalesce(sum(size), 0) FROM objects");
+        if (bytes < 0)
+                return -EIO;
+        total = (uint64_t) bytes;
+        if (total <= c->limit)
+                return 0;
+        while (total > low) {
+                r = evict_step_locked(c, &total, low);
+                if (r < 0) {
+                        log_warning("failed to evict from cache %s: %s", c->dir, sqlite3_errmsg(c->index));
+                        return r;
+                }
+                if (r == 0)
+                        break;          /* everything left is pinned */
+                /* Let readers note their uses and writers index their objects between steps. */
+                pthread_mutex_unlock(&c->lock);
+                pthread_mutex_lock(&c->lock);
+        }
+        return 0;
+}
+
+int cache_evict(Cache *c) {
+        int r = 0;
+
+        pthread_mutex_lock(&c->lock);
+        if (c->limit > 0)
+                r = evict_locked(c);
+        pthread_mutex_unlock(&c->lock);
+        return r;
+}
+
+static void *evictor_thread(void *userdata) {
+        Cache *c = userdata;
+
+        pthread_mutex_lock(&c->lock);
+        while (!c->stopping) {
+                if (!c->evict_wanted) {
+                        struct timespec deadline;
+
+                        clock_gettime(CLOCK_REALTIME, &deadline);
+                        deadline.tv_sec += EVICT_INTERVAL_MS / 1000;
+                        pthread_cond_timedwait(&c->evict_cond, &c->lock, &deadline);
+                }
+                if (c->stopping)
+                        break;
+                c->evict_wanted = false;
+                c->put_bytes = 0;
+                evict_locked(c);
+        }
+        pthread_mutex_unlock(&c->lock);
+        return NULL;
+}
+
+int cache_set_limit(Cache *c, uint64_t limit) {
+        int r = 0;
+
+        pthread_mutex_lock(&c->lock);
+        c->limit = limit;
+        if (limit > 0 && !c->evictor_started) {
+                r = -pthread_create(&c->evictor, NULL, evictor_thread, c);
+                c->evictor_started = r == 0;
+        }
+        if (limit > 0)
+                evictor_kick_locked(c);
+        pthread_mutex_unlock(&c->lock);
+        return r;
+}
+
+int cache_status(Cache *c, CacheStatus *ret) {
+        int64_t objects, bytes, total, pinned;
+
+        memset(ret, 0, sizeof(*ret));
+        pthread_mutex_lock(&c->lock);
+        objects = index_query_int64(c, "SELECT count(*) FROM objects");
+        bytes = index_query_int64(c, "SELECT coalesce(sum(size), 0) FROM objects");
+        total = index_query_int64(c, "SELECT coalesce((SELECT value FROM meta WHERE name = 'evictions'), 0)");
+        pinned = index_query_int64(c, "SELECT count(DISTINCT tag) FROM pins");
+        ret->limit = c->limit;
+        ret->evictions = c->evictions;
+        pthread_mutex_unlock(&c->lock);
+        if (objects < 0 || bytes < 0 || total < 0 || pinned < 0)
+                return -EIO;
+        ret->objects = (uint64_t) objects;
+        ret->bytes = (uint64_t) bytes;
+        ret->evictions_total = (uint64_t) total;
+        ret->pinned = (uint64_t) pinned;
+        return 0;
+}
+
+uint64_t cache_evictions_total(Cache *c) {
+        int64_t total;
+
+        pthread_mutex_lock(&c->lock);
+        total = index_query_int64(c, "SELECT coalesce((SELECT value FROM meta WHERE name = 'evictions'), 0)");
+        pthread_mutex_unlock(&c->lock);
+        return total < 0 ? 0 : (uint64_t) total;
 }
 
 int cache_usage(Cache *c, uint64_t *ret_objects, uint64_t *ret_bytes) {
@@ -319,9 +703,11 @@ int cache_open(const char *dir, Cache **ret) {
         if (!c)
                 return -ENOMEM;
         pthread_mutex_init(&c->lock, NULL);
+        pthread_cond_init(&c->evict_cond, NULL);
         c->dir_fd = -1;
         c->dir = strdup(dir);
-        if (!c->dir) {
+        c->uses = malloc(USES_MAX * sizeof(*c->uses));
+        if (!c->dir || !c->uses) {
                 r = -ENOMEM;
                 goto out_free;
         }
@@ -356,10 +742,21 @@ out_free:
 Cache *cache_free(Cache *c) {
         if (!c)
                 return NULL;
+        pthread_mutex_lock(&c->lock);
+        c->stopping = true;
+        pthread_cond_signal(&c->evict_cond);
+        pthread_mutex_unlock(&c->lock);
+        if (c->evictor_started)
+                pthread_join(c->evictor, NULL);
+        if (c->index)
+                uses_flush_locked(c);
         index_close(c);
         if (c->dir_fd >= 0)
                 close(c->dir_fd);
+        pthread_cond_destroy(&c->evict_cond);
         pthread_mutex_destroy(&c->lock);
+        free(c->uses);
+        free(c->owner);
         free(c->dir);
         free(c);
         return NULL;
@@ -434,6 +831,7 @@ int cache_get(Cache *c, const uint8_t tag[CACHE_TAG_LEN], uint8_t **ret_object, 
                 goto out_bad;
         }
         close(fd);
+        use_note(c, tag);
         *ret_object = data;
         *ret_len = len;
         return 0;
@@ -527,12 +925,13 @@ int cache_put(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const void *object, si
         return r;
 }
 
-int cache_batch_new(Cache *c, CacheBatch **ret) {
+int cache_batch_new(Cache *c, bool pin, CacheBatch **ret) {
         CacheBatch *b = calloc(1, sizeof(*b));
 
         if (!b)
                 return -ENOMEM;
         b->cache = c;
+        b->pin = pin;
         *ret = b;
         return 0;
 }
@@ -597,6 +996,20 @@ int cache_batch_commit(CacheBatch *b) {
                 r = -errno;
                 log_error("failed to sync cache %s: %s", c->dir, strerror(-r));
                 return r;
+        }
+        /* These objects are the only copy of acknowledged writes until they are uploaded: pinned before
+         * their names exist, so that no evictor (in any process) can remove them. */
+        if (b->pin) {
+                uint8_t (*tags)[CACHE_TAG_LEN] = malloc(b->n * sizeof(*tags));
+
+                if (!tags)
+                        return -ENOMEM;
+                for (size_t i = 0; i < b->n; i++)
+                        memcpy(tags[i], b->entries[i].tag, CACHE_TAG_LEN);
+                r = cache_pin(c, (const uint8_t (*)[CACHE_TAG_LEN]) tags, b->n);
+                free(tags);
+                if (r < 0)
+                        return r;
         }
         for (size_t i = 0; i < b->n; i++) {
                 r = tmp_install(c, b->entries[i].tag, b->entries[i].tmp_path, small);

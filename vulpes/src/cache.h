@@ -45,9 +45,10 @@ int cache_quarantine(Cache *c, const uint8_t tag[CACHE_TAG_LEN]);
  * Batches make many new objects durable together: cache_batch_add() writes a temporary file,
  * cache_batch_commit() syncs the files (one by one, or the whole file system for a large batch), renames
  * every file into place and syncs the directories.  After commit returns, every object of the batch survives a crash; before, none is visible
- * under its name.  Freeing an uncommitted batch removes its temporary files.
+ * under its name.  Freeing an uncommitted batch removes its temporary files.  With pin, commit pins every
+ * object (see cache_pin()) before it becomes visible.
  */
-int cache_batch_new(Cache *c, CacheBatch **ret);
+int cache_batch_new(Cache *c, bool pin, CacheBatch **ret);
 int cache_batch_add(CacheBatch *b, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len);
 int cache_batch_commit(CacheBatch *b);
 CacheBatch *cache_batch_free(CacheBatch *b);
@@ -57,3 +58,33 @@ int cache_rebuild_index(Cache *c);
 
 /* Objects and bytes according to the index. */
 int cache_usage(Cache *c, uint64_t *ret_objects, uint64_t *ret_bytes);
+
+typedef struct CacheStatus {
+        uint64_t objects, bytes;         /* according to the index */
+        uint64_t limit;                  /* bytes, 0: no limit */
+        uint64_t evictions;              /* objects evicted by this process */
+        uint64_t evictions_total;        /* by every process sharing the cache, ever */
+        uint64_t pinned;                 /* objects that must not be evicted (any owner) */
+} CacheStatus;
+
+int cache_status(Cache *c, CacheStatus *ret);
+uint64_t cache_evictions_total(Cache *c);
+
+/*
+ * Size limit: with limit > 0, a background thread evicts least recently used objects (last read or
+ * written, recorded in the index in batches) until the cache is below 90 % of limit, whenever it is above
+ * it.  Pinned objects are never evicted.  cache_evict() runs one pass now (tests).
+ */
+int cache_set_limit(Cache *c, uint64_t limit);
+int cache_evict(Cache *c);
+
+/*
+ * Pins are rows (tag, owner) in the shared index: an object pinned by any owner is never evicted.  The
+ * owner names the pinning vulpes (its state directory); cache_pins_replace() replaces every pin of this
+ * owner by tags in one transaction, so that a starting vulpes pins exactly its pending uploads again
+ * (a pin left behind by a crash, or lost with a damaged index, is corrected) without a moment unpinned.
+ */
+int cache_set_owner(Cache *c, const char *owner);
+int cache_pin(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n);
+int cache_unpin(Cache *c, const uint8_t tag[CACHE_TAG_LEN]);
+int cache_pins_replace(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n);

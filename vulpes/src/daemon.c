@@ -53,6 +53,48 @@ Trace *daemon_trace(Daemon *d) {
         return d->trace;
 }
 
+/*
+ * Pins, in the shared cache, exactly the objects of this parcel that the server may not have (its pending
+ * uploads, read from the keyrings, which are the truth), replacing whatever this state directory pinned
+ * before: a crash can leave stale pins, a damaged index loses them.  The owner is the state directory's
+ * real path, so every vulpes of the parcel is the same owner.
+ */
+static int cache_pins_restore(Daemon *d, const char *state_dir) {
+        uint8_t (*all)[IMAGE_TAG_LEN] = NULL;
+        char owner[PATH_MAX];
+        size_t n_all = 0;
+        int r;
+
+        if (!realpath(state_dir, owner))
+                snprintf(owner, sizeof(owner), "%s", state_dir);
+        r = cache_set_owner(d->cache, owner);
+        if (r < 0)
+                return r;
+        for (int i = 0; i < _DAEMON_IMAGE_MAX; i++) {
+                uint8_t (*tags)[IMAGE_TAG_LEN] = NULL, (*p)[IMAGE_TAG_LEN];
+                size_t n = 0;
+
+                r = image_pending_uploads(d->images[i], &tags, &n);
+                if (r < 0)
+                        goto out;
+                p = n > 0 ? realloc(all, (n_all + n) * sizeof(*all)) : all;
+                if (n > 0 && !p) {
+                        free(tags);
+                        r = -ENOMEM;
+                        goto out;
+                }
+                all = p;
+                if (n > 0)
+                        memcpy(all + n_all, tags, n * sizeof(*tags));
+                n_all += n;
+                free(tags);
+        }
+        r = cache_pins_replace(d->cache, (const uint8_t (*)[CACHE_TAG_LEN]) all, n_all);
+out:
+        free(all);
+        return r;
+}
+
 int daemon_new(const DaemonConfig *config, Daemon **ret) {
         char path[PATH_MAX];
         Daemon *d;
@@ -108,6 +150,12 @@ int daemon_new(const DaemonConfig *config, Daemon **ret) {
                 }
         }
         d->chunk_size = image_chunk_size(d->images[DAEMON_IMAGE_DISK]);
+        r = cache_pins_restore(d, config->state_dir);
+        if (r < 0)
+                goto out_free;
+        r = cache_set_limit(d->cache, config->cache_limit_bytes);
+        if (r < 0)
+                goto out_free;
 
         if (d->fetcher) {
                 snprintf(path, sizeof(path), "%s/hoard.request", config->state_dir);
@@ -207,7 +255,7 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
         Stats *s = &d->stats;
         char *text = NULL;
         size_t len = 0;
-        uint64_t objects = 0, bytes = 0;
+        CacheStatus cs;
         FILE *f;
 
         f = open_memstream(&text, &len);
@@ -258,22 +306,29 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
         } else {
                 fputs(",\"server\":false,\"offline\":true,\"waiting\":false", f);
         }
-        cache_usage(d->cache, &objects, &bytes);
+        cache_status(d->cache, &cs);
         fprintf(f, "},\"cache\":{\"dir\":");
         json_string(f, cache_dir(d->cache));
-        fprintf(f, ",\"objects\":%llu,\"bytes\":%llu,\"quarantined\":%llu},\"lookaside_bad\":%llu,"
+        fprintf(f, ",\"objects\":%llu,\"bytes\":%llu,\"limit\":%llu,\"evictions\":%llu,\"evictions_total\":%llu,"
+                   "\"pinned\":%llu,\"quarantined\":%llu},\"lookaside_bad\":%llu,"
                    "\"flush\":{\"flushes\":%llu,\"chunks\":%llu}",
-                U(objects), U(bytes), U(stats_get(&s->quarantined)), U(stats_get(&s->lookaside_bad)),
+                U(cs.objects), U(cs.bytes), U(cs.limit), U(cs.evictions), U(cs.evictions_total), U(cs.pinned),
+                U(stats_get(&s->quarantined)), U(stats_get(&s->lookaside_bad)),
                 U(stats_get(&s->flushes)), U(stats_get(&s->chunks_flushed)));
         if (d->hoard) {
                 HoardProgress p;
 
                 hoard_progress(d->hoard, &p);
+                /* Eviction (by any process) after the hoard finished may have removed hoarded objects. */
                 fprintf(f,
-                        ",\"hoard\":{\"state\":\"%s\",\"chunks_done\":%llu,\"chunks_total\":%llu,\"chunks_failed\":%llu,"
-                        "\"bytes_done\":%llu,\"bytes_total\":%llu,\"bytes_fetched\":%llu,\"seconds\":%.3f}",
-                        hoard_state_name(p.state), U(p.chunks_done), U(p.chunks_total), U(p.chunks_failed),
-                        U(p.bytes_done), U(p.bytes_total), U(p.bytes_fetched), p.seconds);
+                        ",\"hoard\":{\"state\":\"%s\",\"complete\":%s,\"chunks_done\":%llu,\"chunks_total\":%llu,"
+                        "\"chunks_failed\":%llu,\"bytes_done\":%llu,\"bytes_total\":%llu,\"bytes_fetched\":%llu,"
+                        "\"seconds\":%.3f}",
+                        hoard_state_name(p.state),
+                        p.state == HOARD_DONE && p.chunks_failed == 0 && cs.evictions_total == p.evictions_at_done ?
+                                "true" : "false",
+                        U(p.chunks_done), U(p.chunks_total), U(p.chunks_failed), U(p.bytes_done), U(p.bytes_total),
+                        U(p.bytes_fetched), p.seconds);
         }
         if (d->writeback) {
                 WritebackStatus w;

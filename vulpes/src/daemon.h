@@ -34,6 +34,7 @@ typedef struct DaemonConfig {
         const char *trace_path;
         bool offline;
         uint64_t ram_cache_bytes;       /* per image */
+        uint64_t cache_limit_bytes;     /* the shared cache's size limit, 0: none */
         unsigned flush_interval_ms;
         unsigned max_transfers;
         unsigned hoard_window;

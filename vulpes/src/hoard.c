@@ -246,6 +246,7 @@ static void *hoard_thread(void *userdata) {
                 pthread_cond_wait(&h->cond, &h->lock);
         if (!h->stop) {
                 h->progress.state = HOARD_DONE;
+                h->progress.evictions_at_done = cache_evictions_total(h->cache);
                 unlink(h->state_path);
                 log_info("hoard finished: %llu chunks, %llu failed, %llu bytes fetched",
                          (unsigned long long) h->progress.chunks_done, (unsigned long long) h->progress.chunks_failed,

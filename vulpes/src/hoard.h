@@ -32,6 +32,7 @@ typedef struct HoardProgress {
         uint64_t bytes_total, bytes_done;   /* plaintext bytes of the chunks */
         uint64_t bytes_fetched;             /* object bytes downloaded by this run */
         double seconds;                     /* since this run started */
+        uint64_t evictions_at_done;         /* the cache's eviction count when it finished */
 } HoardProgress;
 
 const char *hoard_state_name(HoardState state);

@@ -18,6 +18,7 @@
  * that are on disk: either the old record or the new one, never a dangling one.
  *
  * Threading: every function is safe from any thread.  Lock order: flush_lock, then lock, then db_lock.
+ * Besides the callers' threads: one flusher and READAHEAD_WORKERS readahead workers per image.
  */
 #define _GNU_SOURCE
 #include "image.h"
@@ -45,12 +46,28 @@ enum {
 #define NO_CHUNK INT64_C(-1)
 #define FLUSH_BATCH_BYTES ((size_t) 32 << 20)
 
+/*
+ * Sequential readahead: the kernel sends FUSE reads of at most 128 KiB one or two at a time (the bdi's
+ * readahead is capped at its default whatever max_readahead says), so a sequential reader would wait
+ * for one cache read + verify + decrypt + decompress per chunk on a single thread.  Instead, a read that
+ * continues the previous one schedules the next chunks that are in the cache, and workers load them
+ * into RAM while the kernel copies the current one out.
+ */
+#define READAHEAD_BYTES ((uint64_t) 8 << 20)
+enum {
+        READAHEAD_WORKERS = 8,             /* cold cache files wait for the disk: keep several reads in flight */
+        READAHEAD_QUEUE = 64,
+        READAHEAD_SLACK = 4,               /* chunks a sequential read may lag behind the furthest one */
+};
+
 typedef struct Chunk {
         uint8_t *data;
         uint8_t state;
         bool dirty;
         uint32_t pins;
         uint32_t gen;                      /* bumped by every write, so a flush knows if it saw the last one */
+        bool ahead;                        /* loaded by readahead, not read yet: its first read reports ahead_tier */
+        uint8_t ahead_tier;
         int64_t lru_prev, lru_next;        /* clean READY chunks only; head is the least recently used */
 } Chunk;
 
@@ -72,6 +89,14 @@ struct Image {
         int64_t lru_head, lru_tail;
         uint64_t ram_bytes, ram_limit, dirty_bytes, dirty_chunks;
         int flush_error;
+
+        /* Readahead, under lock: the chunk after the last read, how far ahead is scheduled, the queue. */
+        uint64_t ra_next, ra_end, ra_window;
+        uint64_t ra_queue[READAHEAD_QUEUE];
+        size_t ra_head, ra_len;
+        pthread_cond_t ra_cond;
+        pthread_t ra_workers[READAHEAD_WORKERS];
+        size_t ra_started;
 
         pthread_mutex_t flush_lock;        /* one flush at a time */
         pthread_t flusher;
@@ -149,6 +174,7 @@ static void evict_locked(Image *img) {
                         free(c->data);
                         c->data = NULL;
                         c->state = CHUNK_ABSENT;
+                        c->ahead = false;
                         img->ram_bytes -= length_of(img, (uint64_t) idx);
                 }
                 idx = next;
@@ -192,8 +218,13 @@ static int decode(const Image *img, uint64_t idx, const KeyringRecord *rec, cons
         return 0;
 }
 
-/* Loads chunk idx from the first tier that has a good copy; called without the lock. */
-static int chunk_load(Image *img, uint64_t idx, const KeyringRecord *rec, uint8_t **ret_data, StatsTier *ret_tier) {
+/*
+ * Loads chunk idx from the first tier that has a good copy; called without the lock.  With cache_only
+ * (readahead), a chunk that is not good in the cache is left alone (-ENOENT, nothing logged): the reader
+ * that needs it goes to the other tiers and reports what goes wrong there.
+ */
+static int chunk_load(Image *img, uint64_t idx, const KeyringRecord *rec, bool cache_only, uint8_t **ret_data,
+                      StatsTier *ret_tier) {
         size_t n = length_of(img, idx), len = 0;
         uint8_t key[IMAGE_KEY_LEN], *object = NULL, *data;
         char what[160];
@@ -217,6 +248,10 @@ static int chunk_load(Image *img, uint64_t idx, const KeyringRecord *rec, uint8_
         }
         if (r == -EBADMSG)
                 stats_add(&img->src.stats->quarantined, 1);
+        if (cache_only) {
+                r = -ENOENT;
+                goto out_data;
+        }
 
         r = lookaside_get(img->src.lookaside, rec->tag, &object, &len);
         if (r == 0) {
@@ -280,8 +315,13 @@ static int chunk_ready_locked(Image *img, uint64_t idx, bool whole, StatsTier *r
                 uint8_t *data = NULL;
                 int r;
 
-                if (c->state == CHUNK_READY)
+                if (c->state == CHUNK_READY) {
+                        if (c->ahead) {
+                                c->ahead = false;
+                                *ret_tier = (StatsTier) c->ahead_tier;
+                        }
                         return 0;
+                }
                 if (c->state == CHUNK_LOADING) {
                         pthread_cond_wait(&img->cond, &img->lock);
                         continue;
@@ -297,7 +337,7 @@ static int chunk_ready_locked(Image *img, uint64_t idx, bool whole, StatsTier *r
                 rec = img->records[idx];
                 c->state = CHUNK_LOADING;
                 pthread_mutex_unlock(&img->lock);
-                r = chunk_load(img, idx, &rec, &data, ret_tier);
+                r = chunk_load(img, idx, &rec, false, &data, ret_tier);
                 pthread_mutex_lock(&img->lock);
                 if (r < 0) {
                         c->state = CHUNK_ABSENT;
@@ -307,6 +347,79 @@ static int chunk_ready_locked(Image *img, uint64_t idx, bool whole, StatsTier *r
                 install_locked(img, idx, data);
                 return 0;
         }
+}
+
+/*
+ * With the lock held, at the start of a read of chunks first..last.  A read that starts near where the
+ * stream of reads has got to is sequential (the kernel's own readahead sends requests on several threads,
+ * so they arrive slightly out of order): the chunks of the window after it that are neither in RAM nor
+ * being loaded are marked LOADING and queued for the readahead workers.  Readers of a queued chunk wait
+ * for it as for any load; if the worker cannot get it from the cache, they load it themselves.
+ */
+static void readahead_locked(Image *img, uint64_t first, uint64_t last) {
+        bool sequential = first <= img->ra_next + 1 && first + READAHEAD_SLACK >= img->ra_next;
+        uint64_t idx, end;
+
+        if (img->ra_started == 0 || !sequential) {
+                img->ra_next = last + 1;
+                img->ra_end = last + 1;
+                return;
+        }
+        if (last + 1 > img->ra_next)
+                img->ra_next = last + 1;
+        idx = img->ra_end > last + 1 ? img->ra_end : last + 1;
+        end = last + 1 + img->ra_window < img->n_chunks ? last + 1 + img->ra_window : img->n_chunks;
+        for (; idx < end && img->ra_len < READAHEAD_QUEUE; idx++) {
+                Chunk *c = &img->chunks[idx];
+
+                if (c->state != CHUNK_ABSENT || !img->present[idx])
+                        continue;
+                c->state = CHUNK_LOADING;
+                img->ra_queue[(img->ra_head + img->ra_len) % READAHEAD_QUEUE] = idx;
+                img->ra_len++;
+                pthread_cond_signal(&img->ra_cond);
+        }
+        img->ra_end = idx;
+}
+
+/* A readahead worker: loads queued chunks from the cache (verified like every load) into RAM. */
+static void *readahead_thread(void *userdata) {
+        Image *img = userdata;
+
+        pthread_mutex_lock(&img->lock);
+        for (;;) {
+                StatsTier tier = STATS_TIER_CACHE;
+                uint8_t *data = NULL;
+                KeyringRecord rec;
+                uint64_t idx;
+                int r;
+
+                while (!img->stopping && img->ra_len == 0)
+                        pthread_cond_wait(&img->ra_cond, &img->lock);
+                if (img->stopping)
+                        break;
+                idx = img->ra_queue[img->ra_head];
+                img->ra_head = (img->ra_head + 1) % READAHEAD_QUEUE;
+                img->ra_len--;
+                rec = img->records[idx];
+                pthread_mutex_unlock(&img->lock);
+                r = chunk_load(img, idx, &rec, true, &data, &tier);
+                pthread_mutex_lock(&img->lock);
+                if (r < 0) {
+                        img->chunks[idx].state = CHUNK_ABSENT;
+                        pthread_cond_broadcast(&img->cond);
+                        continue;
+                }
+                img->chunks[idx].ahead = true;
+                img->chunks[idx].ahead_tier = (uint8_t) tier;
+                install_locked(img, idx, data);
+        }
+        /* Whatever is still queued was never loaded: give it back to the readers. */
+        for (; img->ra_len > 0; img->ra_len--, img->ra_head = (img->ra_head + 1) % READAHEAD_QUEUE)
+                img->chunks[img->ra_queue[img->ra_head]].state = CHUNK_ABSENT;
+        pthread_cond_broadcast(&img->cond);
+        pthread_mutex_unlock(&img->lock);
+        return NULL;
 }
 
 static void account(Image *img, uint64_t idx, TraceOp op, StatsTier tier) {
@@ -337,6 +450,8 @@ ssize_t image_read(Image *img, void *buf, size_t len, uint64_t offset) {
                 if (piece > len - done)
                         piece = len - done;
                 pthread_mutex_lock(&img->lock);
+                if (done == 0)
+                        readahead_locked(img, idx, (offset + len - 1) / img->chunk_size);
                 if (c->state == CHUNK_ABSENT && !img->present[idx]) {
                         /* A chunk without record is zeros: no need to hold it in RAM for a read. */
                         pthread_mutex_unlock(&img->lock);
@@ -448,7 +563,7 @@ static int flush_batch(Image *img, FlushItem *items, size_t n) {
                 r = -ENOMEM;
                 goto out;
         }
-        r = cache_batch_new(img->src.cache, &batch);
+        r = cache_batch_new(img->src.cache, true, &batch);
         if (r < 0)
                 goto out;
         for (size_t i = 0; i < n; i++) {
@@ -649,6 +764,7 @@ int image_open(const char *name, const char *keyring_path, const ImageSources *s
         pthread_mutex_init(&img->flush_lock, NULL);
         pthread_cond_init(&img->cond, NULL);
         pthread_cond_init(&img->flusher_cond, NULL);
+        pthread_cond_init(&img->ra_cond, NULL);
         img->src = *sources;
         img->lru_head = img->lru_tail = NO_CHUNK;
         img->flush_interval_ms = flush_interval_ms ? flush_interval_ms : 5000;
@@ -686,6 +802,15 @@ int image_open(const char *name, const char *keyring_path, const ImageSources *s
         if (r < 0)
                 goto out_free;
         img->flusher_started = true;
+
+        /* A quarter of the RAM bound at most, so that readahead never pushes out what is being read. */
+        img->ra_window = (READAHEAD_BYTES < img->ram_limit / 4 ? READAHEAD_BYTES : img->ram_limit / 4) /
+                         img->chunk_size;
+        for (; img->ra_window > 0 && img->ra_started < READAHEAD_WORKERS; img->ra_started++) {
+                r = -pthread_create(&img->ra_workers[img->ra_started], NULL, readahead_thread, img);
+                if (r < 0)
+                        goto out_free;
+        }
         *ret = img;
         return 0;
 
@@ -697,13 +822,15 @@ out_free:
 Image *image_free(Image *img) {
         if (!img)
                 return NULL;
-        if (img->flusher_started) {
-                pthread_mutex_lock(&img->lock);
-                img->stopping = true;
-                pthread_cond_signal(&img->flusher_cond);
-                pthread_mutex_unlock(&img->lock);
+        pthread_mutex_lock(&img->lock);
+        img->stopping = true;
+        pthread_cond_signal(&img->flusher_cond);
+        pthread_cond_broadcast(&img->ra_cond);
+        pthread_mutex_unlock(&img->lock);
+        if (img->flusher_started)
                 pthread_join(img->flusher, NULL);
-        }
+        for (size_t i = 0; i < img->ra_started; i++)
+                pthread_join(img->ra_workers[i], NULL);
         if (img->chunks) {
                 for (uint64_t i = 0; i < img->n_chunks; i++) {
                         if (img->chunks[i].data) {
@@ -717,6 +844,7 @@ Image *image_free(Image *img) {
         free(img->present);
         keyring_free(img->keyring);
         pthread_cond_destroy(&img->flusher_cond);
+        pthread_cond_destroy(&img->ra_cond);
         pthread_cond_destroy(&img->cond);
         pthread_mutex_destroy(&img->flush_lock);
         pthread_mutex_destroy(&img->db_lock);
@@ -755,7 +883,34 @@ int image_upload_done(Image *img, const uint8_t tag[IMAGE_TAG_LEN]) {
         pthread_mutex_lock(&img->db_lock);
         r = keyring_upload_done(img->keyring, tag);
         pthread_mutex_unlock(&img->db_lock);
+        /* The server has it now (or nobody needs it): the cache may evict it.  The other image may
+         * still name the same object (convergent encryption); its pin is the same row, so it is
+         * restored at the next start if that upload is still pending. */
+        if (r >= 0)
+                cache_unpin(img->src.cache, tag);
         return r;
+}
+
+int image_pending_uploads(Image *img, uint8_t (**ret_tags)[IMAGE_TAG_LEN], size_t *ret_n) {
+        uint8_t (*tags)[IMAGE_TAG_LEN] = NULL;
+        uint64_t changed = 0, pending = 0;
+        size_t n = 0;
+        int r;
+
+        pthread_mutex_lock(&img->db_lock);
+        r = keyring_state_counts(img->keyring, &changed, &pending);
+        if (r >= 0 && pending > 0) {
+                tags = malloc(pending * sizeof(*tags));
+                r = tags ? keyring_uploads_next(img->keyring, tags, pending, &n) : -ENOMEM;
+        }
+        pthread_mutex_unlock(&img->db_lock);
+        if (r < 0) {
+                free(tags);
+                return r;
+        }
+        *ret_tags = tags;
+        *ret_n = n;
+        return 0;
 }
 
 int image_changed_reset(Image *img) {

@@ -42,6 +42,7 @@ typedef struct Options {
         unsigned max_threads;
         int hoard;
         char *log_level;
+        char *cache_limit;
         int foreground;
         int show_help;
         int show_version;
@@ -76,6 +77,7 @@ static const struct fuse_opt option_spec[] = {
         OPTION("--max-threads=%u", max_threads),
         OPTION("--hoard", hoard),
         OPTION("--log-level=%s", log_level),
+        OPTION("--cache-limit=%s", cache_limit),
         FUSE_OPT_KEY("--lookaside=", KEY_LOOKASIDE),
         FUSE_OPT_KEY("-f", KEY_FOREGROUND),
         FUSE_OPT_KEY("-h", KEY_HELP),
@@ -104,6 +106,8 @@ static void usage(const char *program) {
                "  --offline              start offline: server requests wait until 'online'\n"
                "  --hoard                hoard everything (continues a remembered hoard in any case)\n"
                "  --ram-cache=MIB        plaintext RAM cache per image (default 128)\n"
+               "  --cache-limit=SIZE     evict least recently used cache objects above SIZE (MiB, or with a\n"
+               "                         suffix K, M, G, T; default 0: no limit); pending uploads are never evicted\n"
                "  --flush-interval=MS    background flush of dirty chunks (default 5000)\n"
                "  --max-transfers=N      concurrent server transfers (default 16)\n"
                "  --hoard-window=N       hoard requests in flight (default 64)\n"
@@ -151,6 +155,41 @@ static int option_proc(void *data, const char *arg, int key, struct fuse_args *o
         }
 }
 
+/* "512" (MiB), "512M", "20G", "1T", "64K"; returns bytes or -EINVAL. */
+static int64_t size_parse(const char *text) {
+        unsigned long long v;
+        char *end;
+        int shift = 20;
+
+        errno = 0;
+        v = strtoull(text, &end, 10);
+        if (errno || end == text)
+                return -EINVAL;
+        switch (*end) {
+        case 0:
+                break;
+        case 'k': case 'K':
+                shift = 10;
+                break;
+        case 'm': case 'M':
+                shift = 20;
+                break;
+        case 'g': case 'G':
+                shift = 30;
+                break;
+        case 't': case 'T':
+                shift = 40;
+                break;
+        default:
+                return -EINVAL;
+        }
+        if (*end && end[1] && strcmp(end + 1, "iB") != 0 && strcmp(end + 1, "B") != 0)
+                return -EINVAL;
+        if (v > (unsigned long long) (INT64_MAX >> shift))
+                return -EINVAL;
+        return (int64_t) (v << shift);
+}
+
 static int log_level_parse(const char *name) {
         static const struct {
                 const char *name;
@@ -187,6 +226,11 @@ static int options_check(Options *o) {
         }
         if (o->hoard && !o->server_url) {
                 log_error("--hoard needs --server");
+                return -EINVAL;
+        }
+        if (o->cache_limit && size_parse(o->cache_limit) < 0) {
+                log_error("--cache-limit must be a size in MiB or with a suffix (512, 512M, 20G), not %s",
+                          o->cache_limit);
                 return -EINVAL;
         }
         if (o->log_level) {
@@ -240,6 +284,7 @@ static void options_free(Options *o) {
         free(o->control_path);
         free(o->trace_path);
         free(o->log_level);
+        free(o->cache_limit);
         free(o->mountpoint);
         for (size_t i = 0; i < o->n_lookaside; i++)
                 free(o->lookaside[i]);
@@ -291,6 +336,7 @@ int main(int argc, char *argv[]) {
         config.trace_path = o.trace_path;
         config.offline = o.offline;
         config.ram_cache_bytes = (uint64_t) o.ram_cache_mib << 20;
+        config.cache_limit_bytes = o.cache_limit ? (uint64_t) size_parse(o.cache_limit) : 0;
         config.flush_interval_ms = o.flush_interval_ms;
         config.max_transfers = o.max_transfers;
         config.hoard_window = o.hoard_window;

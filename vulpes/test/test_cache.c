@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: GPL-2.0-or-later */
 /*
  * Tests for cache.c: put/get, verification and quarantine of a damaged object, batches (nothing visible
- * before commit), and rebuilding a lost or damaged index from the files.
+ * before commit), rebuilding a lost or damaged index from the files, and eviction under a size limit
+ * (least recently used first, never a pinned object, pins shared by two handles like two processes).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -134,7 +135,7 @@ static void test_batch_visible_only_after_commit(void **state) {
         for (int i = 0; i < 3; i++)
                 make_object((uint8_t) (10 + i), 8192, &objs[i], &lens[i], tags[i]);
 
-        assert_int_equal(cache_batch_new(c, &b), 0);
+        assert_int_equal(cache_batch_new(c, false, &b), 0);
         for (int i = 0; i < 3; i++)
                 assert_int_equal(cache_batch_add(b, tags[i], objs[i], lens[i]), 0);
         for (int i = 0; i < 3; i++)
@@ -150,7 +151,7 @@ static void test_batch_visible_only_after_commit(void **state) {
         char cmd[160];
 
         make_object(99, 8192, &obj, &len, tag);
-        assert_int_equal(cache_batch_new(c, &b), 0);
+        assert_int_equal(cache_batch_new(c, false, &b), 0);
         assert_int_equal(cache_batch_add(b, tag, obj, len), 0);
         cache_batch_free(b);
         assert_false(cache_has(c, tag));
@@ -199,12 +200,81 @@ static void test_index_rebuilt_when_lost_or_damaged(void **state) {
         cache_free(c);
 }
 
+/* Five objects put in order 0..4; then 0 is read (most recently used) and 1 pinned (a pending upload). */
+static void test_eviction_order_and_pins(void **state) {
+        Fixture *f = *state;
+        uint8_t *obj[5], tag[5][CHUNK_TAG_LEN], *got;
+        size_t len[5], got_len;
+        uint64_t total = 0;
+        CacheStatus st;
+        Cache *c, *other;
+
+        assert_int_equal(cache_open(f->dir, &c), 0);
+        assert_int_equal(cache_set_owner(c, "/state/a"), 0);
+        for (int i = 0; i < 5; i++) {
+                make_object((uint8_t) (i * 17 + 1), 4096, &obj[i], &len[i], tag[i]);
+                assert_int_equal(cache_put(c, tag[i], obj[i], len[i], false), 0);
+                total += len[i];
+                usleep(2000);          /* distinct last-use times */
+        }
+        assert_int_equal(cache_get(c, tag[0], &got, &got_len), 0);
+        free(got);
+        assert_int_equal(cache_pin(c, (const uint8_t (*)[CHUNK_TAG_LEN]) tag[1], 1), 0);
+
+        /* Another handle on the same directory (another process) must respect the first one's pin. */
+        assert_int_equal(cache_open(f->dir, &other), 0);
+        assert_int_equal(cache_set_owner(other, "/state/b"), 0);
+        assert_int_equal(cache_status(other, &st), 0);
+        assert_int_equal(st.objects, 5);
+        assert_int_equal(st.pinned, 1);
+
+        /* Room for three: 90 % of the limit leaves two after eviction: the oldest unpinned go, 2 then 3. */
+        cache_free(c);         /* its noted use of 0 reaches the index */
+        assert_int_equal(cache_open(f->dir, &c), 0);
+        assert_int_equal(cache_set_owner(c, "/state/a"), 0);
+        assert_int_equal(cache_set_limit(other, total - len[0] - len[1] / 2), 0);
+        assert_int_equal(cache_evict(other), 0);
+        assert_true(cache_has(c, tag[0]));
+        assert_true(cache_has(c, tag[1]));
+        assert_false(cache_has(c, tag[2]));
+        assert_false(cache_has(c, tag[3]));
+        assert_true(cache_has(c, tag[4]));
+        assert_int_equal(cache_status(other, &st), 0);
+        assert_int_equal(st.objects, 3);
+        assert_int_equal(st.evictions, 2);
+        assert_int_equal(cache_evictions_total(c), 2);
+
+        /* Down to almost nothing: everything unpinned goes, the pinned object stays. */
+        assert_int_equal(cache_set_limit(other, 1), 0);
+        assert_int_equal(cache_evict(other), 0);
+        assert_true(cache_has(c, tag[1]));
+        assert_false(cache_has(c, tag[0]));
+        assert_false(cache_has(c, tag[4]));
+        assert_int_equal(cache_get(c, tag[1], &got, &got_len), 0);
+        assert_memory_equal(got, obj[1], len[1]);
+        free(got);
+
+        /* Pins belong to their owner: b replacing its pins leaves a's; a replacing its own by none frees 1. */
+        assert_int_equal(cache_pins_replace(other, NULL, 0), 0);
+        assert_int_equal(cache_evict(other), 0);
+        assert_true(cache_has(c, tag[1]));
+        assert_int_equal(cache_pins_replace(c, NULL, 0), 0);
+        assert_int_equal(cache_evict(other), 0);
+        assert_false(cache_has(c, tag[1]));
+
+        cache_free(other);
+        cache_free(c);
+        for (int i = 0; i < 5; i++)
+                free(obj[i]);
+}
+
 int main(void) {
         const struct CMUnitTest tests[] = {
                 cmocka_unit_test_setup_teardown(test_put_get, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_damaged_object_is_quarantined, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_batch_visible_only_after_commit, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_index_rebuilt_when_lost_or_damaged, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_eviction_order_and_pins, setup, teardown),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);
