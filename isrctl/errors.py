@@ -55,3 +55,44 @@ class VMTimeoutError(VMError):
 
 class MigrationError(VMError):
     """Saving or loading a VM's state (a QEMU migration stream) failed."""
+
+
+class ConfigError(IsrError):
+    """The client configuration is missing or wrong (not logged in, a malformed config file)."""
+
+
+class CredentialError(IsrError):
+    """No passphrase or key file could be obtained, or it does not open the parcel's key envelope."""
+
+
+class StateError(IsrError):
+    """The local state of a parcel does not allow what was asked (not checked out, local changes, a
+    session already running, the last session crashed)."""
+
+
+class LockRefused(IsrError):
+    """Someone else holds the parcel's lock; `holder` says who, where, since when and at which version."""
+
+    def __init__(self, message: str, holder: dict[str, object]) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+class LockBroken(IsrError):
+    """This site's lock was broken (or taken over): its local changes can never be committed."""
+
+
+class CompatibilityError(IsrError):
+    """This PC cannot run the parcel's VM (QEMU too old, machine type or CPU model unknown, too little RAM)."""
+
+
+class VulpesFailure(IsrError):
+    """vulpes did not start, did not answer on its control socket, refused a request or exited badly."""
+
+
+class SessionError(IsrError):
+    """The resume session failed, or could not be reached over its control socket."""
+
+
+class CheckinError(IsrError):
+    """A new version could not be uploaded or committed (the local changes are kept)."""

@@ -15,4 +15,7 @@ def test_demo_runs_to_the_end() -> None:
                           text=True, timeout=540)
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout}\n{proc.stderr}"
     assert "digest matches the one computed on the host" in proc.stdout
+    assert "committed version 2 of demo" in proc.stdout
+    assert "RAM token still there" in proc.stdout
+    assert "committed version 3 of demo" in proc.stdout
     assert "Done." in proc.stdout

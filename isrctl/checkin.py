@@ -1,0 +1,241 @@
+"""Committing this site's local state as a new version: upload what the server lacks, seal, commit.
+
+The changes are found by comparing the local keyrings with the base version's keyring streams: every
+chunk whose record differs has a new object (vulpes wrote it into the cache when it flushed). The server
+is asked which of the new objects it lacks (vulpes may have uploaded some already, with trickle
+writeback or its ``upload`` request), those are sent from the cache files, then the keyring streams, the
+device state and the manifest (version = base + 1, parent = base, working set, VM configuration with the
+QEMU version that saved the state) are sealed and staged, and the commit names every chunk the version
+references. The commit carries the lock nonce: a site whose lock was broken gets ``lock_lost`` and can
+never commit over newer state (`LockBroken`; its changes stay local).
+
+On success the local state becomes the new base. ``checkin`` releases the lock, ``sync`` keeps it.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from parcels import crypto, seal
+from parcels.keyring import HEADER_SIZE, RECORD_SIZE, decode_stream
+from parcels.manifest import IMAGES, BlobInfo, ImageInfo, Manifest, Timestamps, open_manifest, seal_manifest, utc_now
+from parcels.parcel import ParcelKeys
+from parcels.store import KEYRING_FILES, MANIFEST
+
+from . import paths
+from .checkout import Client, lock_broken_message
+from .errors import CheckinError, LockBroken, StateError
+from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState
+from .progress import NullReporter, Reporter
+from .remote import ChunksMissing, LockLost, Remote, RemoteError, VersionConflict
+from .vulpes import cache_object_path
+
+log = logging.getLogger(__name__)
+
+UPLOAD_THREADS = 4
+
+
+@dataclass
+class Changes:
+    """What differs between the local keyrings and the base version's."""
+
+    changed: dict[str, int]          # image -> chunks whose record changed (new, different or now zero)
+    new_tags: list[bytes]            # objects referenced now but not by the base (candidates for upload)
+    all_tags: list[bytes]            # every object the local state references
+    streams: dict[str, bytes]        # the local keyring streams
+
+    @property
+    def total_changed(self) -> int:
+        return sum(self.changed.values())
+
+
+def compare(state: ParcelState) -> Changes:
+    """Compare the local keyrings with the base streams. Raises StateError if the state is incomplete."""
+    streams = state.local_streams()
+    changed: dict[str, int] = {}
+    base_tags: set[bytes] = set()
+    local_tags: dict[bytes, None] = {}
+    for image in IMAGES:
+        _, _, base_records = decode_stream(state.base_stream(image))
+        _, _, local_records = decode_stream(streams[image])
+        base = {r.idx: r for r in base_records}
+        local = {r.idx: r for r in local_records}
+        changed[image] = sum(1 for idx in base.keys() | local.keys() if base.get(idx) != local.get(idx))
+        base_tags.update(r.tag for r in base_records)
+        for r in local_records:
+            local_tags.setdefault(r.tag, None)
+    new_tags = [tag for tag in local_tags if tag not in base_tags]
+    return Changes(changed=changed, new_tags=new_tags, all_tags=list(local_tags), streams=streams)
+
+
+def upload_from_cache(client: Client, tags: list[str], reporter: Reporter, *, label: str = "uploading chunks") -> int:
+    """Send chunk objects from the local cache; returns the bytes sent. Each object is checked against
+    its tag first. Raises CheckinError if one is not in the cache or is damaged there."""
+    cache = paths.chunk_cache_dir()
+    sizes = {}
+    for tag in tags:
+        path = cache_object_path(cache, tag)
+        try:
+            sizes[tag] = path.stat().st_size
+        except FileNotFoundError:
+            raise CheckinError(f"chunk object {tag} is needed for the new version but is not in the cache "
+                               f"{cache}: the local state is damaged; `isr discard` drops it") from None
+    total = sum(sizes.values())
+    bar = reporter.progress(label, total)
+    sent = 0
+    lock = threading.Lock()
+    local = threading.local()
+    remotes: list[Remote] = []
+
+    def worker_remote() -> Remote:
+        # One connection per upload thread: an httpx client is not meant to be shared between threads.
+        if not hasattr(local, "remote"):
+            local.remote = client.new_remote()
+            with lock:
+                remotes.append(local.remote)
+        return local.remote
+
+    def send(tag: str) -> None:
+        nonlocal sent
+        data = cache_object_path(cache, tag).read_bytes()
+        if hashlib.sha256(data).hexdigest() != tag:
+            raise CheckinError(f"chunk object {tag} in the cache {cache} is damaged: the local state cannot be "
+                               f"checked in; `isr discard` drops it")
+        worker_remote().put_chunk(tag, data)
+        with lock:
+            sent += len(data)
+            bar.update(sent)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="upload") as pool:
+            for future in [pool.submit(send, tag) for tag in tags]:
+                future.result()
+    finally:
+        bar.close(f"{len(tags)} chunks")
+        for r in remotes:
+            r.close()
+    return sent
+
+
+def new_manifest(base: Manifest, change: LocalChange, streams: dict[str, bytes], qemu_version: str | None) \
+        -> Manifest:
+    """The manifest of version base + 1 describing the local state."""
+    images = {}
+    for image in IMAGES:
+        stream = streams[image]
+        images[image] = ImageInfo(size=base.images[image].size, keyring_sha256=crypto.sha256(stream),
+                                  keyring_size=len(stream), chunks=(len(stream) - HEADER_SIZE) // RECORD_SIZE)
+    blobs = {name: info for name, info in base.blobs.items() if name != "devstate"}
+    suspended = change.state == SUSPENDED
+    vm = base.vm
+    if suspended:
+        assert change.devstate is not None
+        blobs["devstate"] = BlobInfo(kind=seal.KIND_DEVSTATE, sha256=bytes.fromhex(change.devstate["sha256"]),
+                                     size=int(change.devstate["size"]))
+        vm = type(base.vm)(**{**base.vm.__dict__, "qemu_version": change.qemu_version or qemu_version})
+    now = utc_now()
+    working_set = {image: list(change.working_set.get(image, [])) for image in IMAGES}
+    manifest = base.replace(version=base.version + 1, parent=base.version, images=images, blobs=blobs, vm=vm,
+                            suspended=suspended, working_set=working_set,
+                            timestamps=Timestamps(created=now, suspended=change.suspended_at if suspended else None))
+    return manifest
+
+
+def checkin(client: Client, state: ParcelState, parcel_keys: ParcelKeys, *, keep_lock: bool = False,
+            reporter: Reporter | None = None) -> int:
+    """Commit the local state as a new version; returns the version now current at this site.
+
+    With no local changes nothing is committed (the lock is still released unless ``keep_lock``).
+    Raises StateError (not checked out, no lock, a crashed or running session), LockBroken (the lock was
+    broken: nothing can be committed), CheckinError (the server's version moved on, or a chunk object is
+    missing locally), RemoteError (the server is unreachable or refused; the local state is kept).
+    """
+    reporter = reporter or NullReporter()
+    checkout = state.require_checkout()
+    if checkout.lock is None:
+        raise StateError(f"this site does not hold the lock of {checkout.name}: `isr checkout {checkout.name}` "
+                         f"first")
+    change = state.effective_local_change()
+    if change is not None and change.state == DAMAGED:
+        raise StateError(f"the last session of {checkout.name} here crashed ({change.reason}); its state cannot be "
+                         f"checked in: `isr discard {checkout.name}` goes back to version {checkout.version}")
+    if change is not None and change.state == RUNNING:
+        raise StateError(f"{checkout.name} is running at this site: `isr suspend` it first")
+    remote = client.remote
+    parcel = checkout.parcel
+    lock = checkout.lock
+    started = time.monotonic()
+    if change is None:
+        reporter.say(f"no changes since version {checkout.version}")
+        if not keep_lock:
+            client.release(parcel, lock)
+            checkout.lock = None
+            state.save_checkout(checkout)
+            reporter.say(f"lock of {checkout.name} released")
+        return checkout.version
+
+    base = open_manifest(parcel_keys.parcel_key, state.base_manifest_sealed(), parcel=state_uuid(state),
+                         version=checkout.version)
+    changes = compare(state)
+    reporter.say(f"checking in {checkout.name}: {changes.changed['disk']} disk and {changes.changed['memory']} "
+                 f"memory chunks changed since version {checkout.version}")
+    try:
+        missing = remote.missing([t.hex() for t in changes.new_tags])
+        if missing:
+            upload_from_cache(client, missing, reporter)
+        sealed: dict[str, bytes] = {}
+        for image in IMAGES:
+            sealed[KEYRING_FILES[image]] = seal.seal(parcel_keys.parcel_key, seal.KIND_KEYRING, changes.streams[image])
+        devstate_sealed = None
+        if change.state == SUSPENDED:
+            devstate_sealed = state.local_devstate_path().read_bytes()
+            seal.open_sealed(parcel_keys.parcel_key, devstate_sealed, seal.KIND_DEVSTATE,
+                             int(change.devstate["size"]) if change.devstate else 0)
+            sealed["devstate"] = devstate_sealed
+        manifest = new_manifest(base, change, changes.streams, change.qemu_version)
+        sealed[MANIFEST] = seal_manifest(parcel_keys.parcel_key, manifest)
+        for name, data in sealed.items():
+            remote.put_blob(parcel, name, data, lock.nonce)
+        inherit = [name for name in manifest.blobs if name != "devstate"]
+        tags = [t.hex() for t in changes.all_tags]
+        try:
+            record = remote.commit(parcel, lock.nonce, base.version, list(sealed), tags, inherit)
+        except ChunksMissing as exc:
+            log.info("server lacks %d chunks at commit: uploading them", len(exc.missing))
+            upload_from_cache(client, exc.missing, reporter, label="uploading chunks the server lost")
+            record = remote.commit(parcel, lock.nonce, base.version, list(sealed), tags, inherit)
+    except LockLost:
+        raise LockBroken(lock_broken_message(client, parcel, checkout.name)) from None
+    except VersionConflict as exc:
+        raise CheckinError(f"the server's current version of {checkout.name} is {exc.details.get('current')}, not "
+                           f"{base.version}: someone committed after this site's lock was broken. The changes made "
+                           f"here stay local; `isr discard {checkout.name}` drops them") from None
+    except FileNotFoundError as exc:
+        raise StateError(f"the local state of {checkout.name} is incomplete ({exc.filename} is missing): "
+                         f"`isr discard {checkout.name}`") from None
+    new_version = int(record["version"])
+    state.accept_local_as_base(manifest_sealed=sealed[MANIFEST], streams=changes.streams,
+                               devstate_sealed=devstate_sealed)
+    checkout.version = new_version
+    if not keep_lock:
+        try:
+            client.release(parcel, lock)
+        except RemoteError as exc:
+            log.warning("committed version %d but could not release the lock: %s", new_version, exc)
+        checkout.lock = None
+    state.save_checkout(checkout)
+    reporter.say(f"committed version {new_version} of {checkout.name} in {time.monotonic() - started:.1f} s"
+                 f"{'' if keep_lock else '; lock released'}")
+    return new_version
+
+
+def state_uuid(state: ParcelState) -> uuid.UUID:
+    return uuid.UUID(state.parcel)
+
+
+__all__ = ["Changes", "compare", "checkin", "upload_from_cache", "new_manifest", "POWEROFF"]

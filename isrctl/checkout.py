@@ -1,0 +1,277 @@
+"""Getting a parcel from the server to this site: finding it, taking its lock, downloading a version.
+
+`Client` bundles the configuration, the token and a `Remote`. `download_version` fetches a version's
+sealed manifest, checks it (and, through a callback, that this PC can run it) before anything big is
+fetched, then the keyrings and the device state, verifies each against the manifest and installs them
+as the parcel's local base (`localstate.ParcelState.install_version`). Chunks are not downloaded here:
+vulpes fetches them on demand or hoards them.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from parcels import crypto
+from parcels.errors import ParcelError
+from parcels.manifest import IMAGES, Manifest, open_blob, open_keyring, open_manifest
+from parcels.parcel import ParcelKeys
+from parcels.keyring import encode_stream
+from parcels.store import KEYRING_FILES, MANIFEST
+
+from . import config as configmod
+from . import keys as keymod
+from .errors import CheckinError, IsrError, LockBroken, LockRefused, StateError
+from .localstate import Checkout, LockInfo, ParcelState, write_file
+from .progress import NullReporter, Reporter
+from .remote import LockHeld, LockLost, Remote, RemoteError
+
+log = logging.getLogger(__name__)
+
+
+def when(ts: float | None) -> str:
+    """A Unix time as local 'YYYY-MM-DD HH:MM:SS' ('-' for None)."""
+    if not ts:
+        return "-"
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def describe_holder(holder: dict[str, Any]) -> str:
+    """'alice on laptop (site home) since 2026-11-22 05:02:11, at version 3'."""
+    text = f"{holder.get('user', '?')} on {holder.get('host', '?')}"
+    if holder.get("site"):
+        text += f" (site {holder['site']})"
+    text += f" since {when(holder.get('acquired'))}"
+    if holder.get("version") is not None:
+        text += f", at version {holder['version']}"
+    if holder.get("expired"):
+        text += " (its lease has expired)"
+    return text
+
+
+class Client:
+    """A logged-in connection to the configured server. Use as a context manager."""
+
+    def __init__(self, cfg: configmod.ClientConfig | None = None, *, token: str | None = None,
+                 timeout: float = 60.0) -> None:
+        self.config = cfg or configmod.load()
+        self.token = token or configmod.read_token()
+        self.timeout = timeout
+        self.remote = self.new_remote()
+
+    def new_remote(self, timeout: float | None = None) -> Remote:
+        """Another connection to the server with the same credentials (one per thread)."""
+        return Remote(self.config.server, fingerprint=self.config.fingerprint, token=self.token,
+                      timeout=timeout or self.timeout)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.remote.close()
+
+    @property
+    def host(self) -> str:
+        return socket.gethostname() or "unknown"
+
+    # --- parcels ------------------------------------------------------------------------------------
+
+    def resolve(self, ref: str) -> dict[str, Any]:
+        """The parcel record for a UUID or a name of one of this user's parcels.
+
+        Raises StateError if there is no such parcel or the name is ambiguous.
+        """
+        parcels = self.remote.parcels()
+        try:
+            wanted = str(uuid.UUID(ref))
+            matches = [p for p in parcels if p["id"] == wanted]
+        except ValueError:
+            owner, _, name = ref.rpartition("/")
+            matches = [p for p in parcels if p["name"] == name and (not owner or p.get("owner") == owner)]
+        if not matches:
+            names = ", ".join(sorted(p["name"] for p in parcels)) or "none"
+            raise StateError(f"no parcel {ref!r} for user {self.config.user} on {self.config.server} "
+                             f"(yours: {names}); `isr ls` lists them")
+        if len(matches) > 1:
+            raise StateError(f"{ref!r} names several parcels: use the UUID (`isr ls`)")
+        return matches[0]
+
+    def unlock(self, parcel: str, credential: keymod.Credential, state: ParcelState | None = None) -> ParcelKeys:
+        """Download the key envelope (keeping a copy in the state dir) and open it.
+        Raises CredentialError for a wrong passphrase or key file, RemoteError if the server fails."""
+        envelope = self.remote.key_envelope(parcel)
+        parcel_keys = keymod.unlock(envelope, uuid.UUID(parcel), credential)
+        if state is not None:
+            state.save_envelope(envelope)
+        return parcel_keys
+
+    # --- the lock -----------------------------------------------------------------------------------
+
+    def acquire(self, parcel: dict[str, Any], *, force: bool = False) -> tuple[LockInfo, int]:
+        """Take the parcel's lock for this site; returns the lock and the current version.
+
+        Raises LockRefused (with who holds it, where, since when, at which version) if someone has it.
+        """
+        try:
+            reply = self.remote.acquire(parcel["id"], self.host, self.config.site, force=force)
+        except LockHeld as exc:
+            holder = exc.holder
+            raise LockRefused(f"parcel {parcel['name']} is in use: locked by {describe_holder(holder)}. Suspend "
+                              f"it there, or break the lock with `isr lock --force {parcel['name']}`", holder) \
+                from None
+        lock = LockInfo(nonce=reply["nonce"], acquired=time.time(), host=self.host, site=self.config.site)
+        return lock, int(reply["lock"].get("version") or 0)
+
+    def renew(self, parcel: str, lock: LockInfo, name: str = "") -> int:
+        """Check that this site still holds the lock (renewing its lease); returns the current version.
+
+        Raises LockBroken if the lock was broken or taken over.
+        """
+        try:
+            reply = self.remote.renew(parcel, lock.nonce)
+        except LockLost:
+            raise LockBroken(lock_broken_message(self, parcel, name)) from None
+        return int(reply["lock"].get("version") or 0)
+
+    def release(self, parcel: str, lock: LockInfo) -> None:
+        """Release the lock; a lock that is already gone is not an error."""
+        try:
+            self.remote.release(parcel, lock.nonce)
+        except LockLost:
+            pass
+
+    # --- versions -----------------------------------------------------------------------------------
+
+    def fetch_manifest(self, parcel: str, version: int, parcel_keys: ParcelKeys) -> tuple[bytes, Manifest]:
+        """Download and open a version's sealed manifest (checked for parcel and version)."""
+        sealed = self.remote.get_blob(parcel, version, MANIFEST)
+        return sealed, open_manifest(parcel_keys.parcel_key, sealed, parcel=uuid.UUID(parcel), version=version)
+
+    def download_version(self, state: ParcelState, version: int, parcel_keys: ParcelKeys, *,
+                         check: Callable[[Manifest], object] | None = None,
+                         reporter: Reporter | None = None) -> Manifest:
+        """Fetch version ``version`` into ``state`` as its new base; returns its manifest.
+
+        ``check`` runs on the verified manifest before the keyrings and device state are fetched (the
+        compatibility check). Everything is verified against the manifest before it is installed.
+        Raises RemoteError, ParcelError (a damaged or substituted blob), or what ``check`` raises.
+        """
+        reporter = reporter or NullReporter()
+        parcel = state.parcel
+        sealed_manifest, manifest = self.fetch_manifest(parcel, version, parcel_keys)
+        if check is not None:
+            check(manifest)
+        streams = {}
+        for image in IMAGES:
+            sealed = self.remote.get_blob(parcel, version, KEYRING_FILES[image])
+            records = open_keyring(parcel_keys.parcel_key, sealed, manifest, image)
+            streams[image] = encode_stream(manifest.chunk_size, manifest.images[image].size, records)
+            if crypto.sha256(streams[image]) != manifest.images[image].keyring_sha256:
+                raise IsrError(f"the {image} keyring of version {version} does not re-encode to its digest")
+        devstate = None
+        if manifest.suspended:
+            devstate = self.remote.get_blob(parcel, version, "devstate")
+            open_blob(parcel_keys.parcel_key, devstate, manifest, "devstate")
+        state.install_version(manifest_sealed=sealed_manifest, streams=streams, devstate_sealed=devstate)
+        reporter.say(f"  version {version}: manifest, keyrings"
+                     f"{' and device state' if devstate else ''} verified "
+                     f"({manifest.images['disk'].chunks} disk and {manifest.images['memory'].chunks} "
+                     f"memory chunks stored)")
+        return manifest
+
+    def boot_blobs(self, state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys,
+                   reporter: Reporter | None = None) -> dict[str, bytes]:
+        """The payloads of the version's boot files (kernel, initrd), verified against the manifest.
+
+        Sealed copies are kept in the state dir by payload digest, so they are downloaded once per site,
+        not once per version.
+        """
+        return boot_blobs(state, manifest, parcel_keys, remote=self.remote, reporter=reporter)
+
+
+def boot_blobs(state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, *, remote: Remote | None,
+               reporter: Reporter | None = None) -> dict[str, bytes]:
+    """See `Client.boot_blobs`; with ``remote`` None only the local copies are used (disconnected).
+    Raises StateError if a blob is neither local nor downloadable."""
+    reporter = reporter or NullReporter()
+    out: dict[str, bytes] = {}
+    if manifest.vm.boot is None:
+        return out
+    names = [n for n in (manifest.vm.boot.kernel, manifest.vm.boot.initrd) if n]
+    for name in names:
+        info = manifest.blobs[name]
+        path = state.blob_path(info.sha256.hex())
+        payload = None
+        if path.exists():
+            try:
+                payload = open_blob(parcel_keys.parcel_key, path.read_bytes(), manifest, name)
+            except ParcelError as exc:
+                log.warning("local copy of boot file %s is unusable (%s): fetching it again", name, exc)
+        if payload is None:
+            if remote is None:
+                raise StateError(f"boot file {name} of version {manifest.version} is not at this site and the "
+                                 f"server is not reachable")
+            started = time.monotonic()
+            sealed = remote.get_blob(str(manifest.parcel), manifest.version, name)
+            payload = open_blob(parcel_keys.parcel_key, sealed, manifest, name)
+            write_file(path, sealed)
+            reporter.say(f"  fetched boot file {name}: {len(sealed) / 2**20:.1f} MiB sealed ({info.size / 2**20:.1f} MiB) "
+                         f"in {time.monotonic() - started:.1f} s; kept at this site")
+        out[name] = payload
+    return out
+
+
+def lock_broken_message(client: Client | None, parcel: str, name: str = "") -> str:
+    """Why a commit or renewal failed with lock_lost, with who holds the lock now if that can be found."""
+    holder_text = ""
+    if client is not None:
+        try:
+            status = client.remote.lock_status(parcel)
+            if status.get("lock"):
+                holder_text = f" (it is now held by {describe_holder(status['lock'])})"
+        except RemoteError:
+            pass
+    label = name or parcel
+    return (f"this site's lock on parcel {label} was broken{holder_text}: the changes made here since the last "
+            f"checkin cannot be committed. They stay in this site's local state; run `isr discard {label}` to "
+            f"drop them (then `isr checkout {label}` to take the lock again)")
+
+
+def ensure_checkout(client: Client, state: ParcelState, parcel: dict[str, Any], *, force: bool = False) \
+        -> tuple[Checkout, int]:
+    """Make sure this site holds the lock and has a checkout record; returns it and the current version.
+
+    A lock recorded in checkout.json is renewed (LockBroken if it was lost); otherwise it is acquired
+    (LockRefused if someone holds it). Raises CheckinError if the server's version moved on while this
+    site holds local changes (which can only happen after a broken lock).
+    """
+    checkout = state.checkout()
+    current = 0
+    if checkout is not None and checkout.lock is not None:
+        try:
+            current = client.renew(parcel["id"], checkout.lock, parcel["name"])
+        except LockBroken:
+            if state.effective_local_change() is not None:
+                raise
+            # Nothing here depends on the lost lock: take a new one.
+            checkout.lock = None
+    if checkout is None or checkout.lock is None:
+        lock, current = client.acquire(parcel, force=force)
+        if checkout is None:
+            checkout = Checkout(parcel=parcel["id"], name=parcel["name"], server=client.config.server,
+                                user=client.config.user, version=0, newest_seen=0, site=client.config.site)
+        checkout.lock = lock
+        state.save_checkout(checkout)
+    if current < checkout.newest_seen:
+        raise CheckinError(f"the server offers version {current} of {parcel['name']}, but this site has seen "
+                           f"version {checkout.newest_seen}: refusing a rolled-back server")
+    if current == 0:
+        raise StateError(f"parcel {parcel['name']} has no version yet: create it with isr-admin")
+    return checkout, current

@@ -1,0 +1,286 @@
+"""Run vulpes, the FUSE daemon that serves a parcel's disk and memory images, and steer it.
+
+This is the only isrctl module that starts vulpes or speaks its control socket (JSON lines, see
+vulpes/src/control.c). A `Vulpes` is one daemon on one mountpoint: `start` mounts (keys through an
+inherited pipe, never a file) and waits until the mount and the control socket are there; `stop`
+unmounts and waits for the daemon by PID (``fusermount3 -u`` has been seen to leave it running), and a
+non-zero exit is an error; `kill` is ``kill -9`` plus a lazy unmount, for when things went wrong.
+
+Which binary: ``$ISR_VULPES``, else ``$ISR_BUILD_DIR/vulpes/vulpes``, else ``build/vulpes/vulpes`` in the
+source tree this package comes from, else ``vulpes`` on ``$PATH``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from parcels.parcel import ParcelKeys
+
+from . import keys as keymod
+from .errors import VulpesFailure
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT = 30.0
+STOP_TIMEOUT = 60.0
+_LOG_TAIL = 3000
+
+
+def binary() -> Path:
+    """The vulpes executable to run. Raises VulpesFailure if none is found."""
+    candidates: list[Path] = []
+    if os.environ.get("ISR_VULPES"):
+        candidates.append(Path(os.environ["ISR_VULPES"]))
+    if os.environ.get("ISR_BUILD_DIR"):
+        candidates.append(Path(os.environ["ISR_BUILD_DIR"]) / "vulpes" / "vulpes")
+    candidates.append(Path(__file__).resolve().parent.parent / "build" / "vulpes" / "vulpes")
+    found = shutil.which("vulpes")
+    if found:
+        candidates.append(Path(found))
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise VulpesFailure("vulpes is not built: run `ninja -C build` in the source tree (or set ISR_VULPES)")
+
+
+def is_mounted(path: Path) -> bool:
+    """Whether ``path`` is a mountpoint; a dead FUSE mount ("transport endpoint is not connected")
+    counts as mounted."""
+    try:
+        return os.path.ismount(path)
+    except OSError:
+        return True
+
+
+def release_mount(path: Path) -> None:
+    """Detach whatever is mounted on ``path`` (lazily, so a dead FUSE mount goes too); no error if nothing is."""
+    if is_mounted(path) or _listed_as_mount(path):
+        subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True, timeout=60)
+
+
+def _listed_as_mount(path: Path) -> bool:
+    # os.path.ismount cannot stat a dead FUSE mount; /proc/self/mounts still lists it.
+    try:
+        target = str(path.absolute())
+        with open("/proc/self/mounts") as f:
+            return any(line.split()[1] == target for line in f if len(line.split()) > 1)
+    except OSError:
+        return False
+
+
+class Vulpes:
+    """One vulpes process serving one parcel on ``mountpoint`` (files ``disk``, ``memory``, ``stats``)."""
+
+    def __init__(self, *, mountpoint: Path, state_dir: Path, cache_dir: Path, control_path: Path, log_path: Path,
+                 server: str | None = None, token_file: Path | None = None, pin: str | None = None,
+                 trace: Path | None = None, offline: bool = False, lookaside: Sequence[Path] = (),
+                 cache_limit: str = "", extra: Sequence[str] = ()) -> None:
+        self.mountpoint = mountpoint
+        self.control_path = control_path
+        self.log_path = log_path
+        self.args = [str(binary()), str(mountpoint), "-f", f"--state={state_dir}", f"--cache={cache_dir}",
+                     f"--control={control_path}"]
+        if server:
+            self.args += [f"--server={server}", f"--token-file={token_file}"]
+            if pin:
+                self.args.append(f"--pin={pin}")
+        if trace is not None:
+            self.args.append(f"--trace={trace}")
+        if offline:
+            self.args.append("--offline")
+        if cache_limit:
+            self.args.append(f"--cache-limit={cache_limit}")
+        self.args += [f"--lookaside={d}" for d in lookaside]
+        self.args += list(extra)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def disk(self) -> Path:
+        return self.mountpoint / "disk"
+
+    @property
+    def memory(self) -> Path:
+        return self.mountpoint / "memory"
+
+    def alive(self) -> bool:
+        """Whether the daemon process is still running."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, parcel_keys: ParcelKeys, timeout: float = START_TIMEOUT) -> Vulpes:
+        """Mount. Returns once the mount and the control socket exist.
+
+        A dead mount left on the mountpoint by a crashed session is detached first. Raises VulpesFailure
+        (with the daemon's output) if vulpes exits or does not mount within ``timeout`` seconds.
+        """
+        release_mount(self.mountpoint)
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.control_path.unlink()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            self._log_offset = self.log_path.stat().st_size
+        key_fd = keymod.key_pipe(parcel_keys)
+        try:
+            with open(self.log_path, "ab") as log_file:
+                # Its own session: a Ctrl-C meant for `isr resume` must not kill the daemon under the VM.
+                self.proc = subprocess.Popen([*self.args, f"--key-fd={key_fd}"], stdin=subprocess.DEVNULL,
+                                             stdout=log_file, stderr=log_file, pass_fds=(key_fd,),
+                                             start_new_session=True)
+        except OSError as exc:
+            raise VulpesFailure(f"cannot run {self.args[0]}: {exc.strerror}") from None
+        finally:
+            os.close(key_fd)
+        deadline = time.monotonic() + timeout
+        while not (is_mounted(self.mountpoint) and self.control_path.exists()):
+            if self.proc.poll() is not None:
+                raise VulpesFailure(f"vulpes exited with code {self.proc.returncode} before mounting "
+                                    f"{self.mountpoint}:\n{self.output()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise VulpesFailure(f"vulpes did not mount {self.mountpoint} within {timeout:.0f} s:\n{self.output()}")
+            time.sleep(0.02)
+        log.info("vulpes %d serving %s", self.proc.pid, self.mountpoint)
+        return self
+
+    def output(self) -> str:
+        """What vulpes printed since `start` (the tail)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(self._log_offset, f.seek(0, os.SEEK_END) - _LOG_TAIL))
+                return f.read().decode(errors="replace").rstrip()
+        except OSError:
+            return ""
+
+    # --- control socket -----------------------------------------------------------------------------
+
+    def control(self, request: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+        """Send one request and return the response; raises VulpesFailure if vulpes refuses it or cannot be
+        reached."""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(timeout)
+                sock.connect(str(self.control_path))
+                sock.sendall(json.dumps(request).encode() + b"\n")
+                buf = b""
+                while not buf.endswith(b"\n"):
+                    more = sock.recv(65536)
+                    if not more:
+                        raise VulpesFailure(f"vulpes closed its control socket during {request.get('op')}")
+                    buf += more
+        except OSError as exc:
+            raise VulpesFailure(f"vulpes control socket {self.control_path}: {exc}") from None
+        try:
+            response: dict[str, Any] = json.loads(buf)
+        except ValueError:
+            raise VulpesFailure(f"vulpes answered {request.get('op')} with something that is not JSON") from None
+        if not response.get("ok"):
+            raise VulpesFailure(f"vulpes refused {request.get('op')}: {response.get('error', response)}")
+        return response
+
+    def status(self) -> dict[str, Any]:
+        """The full status report (images, I/O, fetch, cache, hoard, writeback, trace)."""
+        status: dict[str, Any] = self.control({"op": "status"})["status"]
+        return status
+
+    def flush(self) -> None:
+        """Make every write vulpes has acknowledged durable (chunk objects and keyring records)."""
+        self.control({"op": "flush"}, timeout=600)
+
+    def upload(self) -> int:
+        """Flush, then upload every chunk object the server may lack; returns how many were sent."""
+        return int(self.control({"op": "upload"}, timeout=3600).get("uploaded", 0))
+
+    def hoard(self, disk: Sequence[int] | None = None, memory: Sequence[int] | None = None, *,
+              everything: bool = False, wait: bool = False) -> dict[str, Any]:
+        """Start hoarding: everything, or the listed chunk indices in priority order. Returns the status."""
+        request: dict[str, Any] = {"op": "hoard", "wait": wait}
+        if not everything:
+            request["disk"] = list(disk or [])
+            request["memory"] = list(memory or [])
+        return dict(self.control(request, timeout=86400 if wait else 60)["status"])
+
+    def hoard_stop(self) -> None:
+        self.control({"op": "hoard-stop"})
+
+    def set_offline(self, offline: bool) -> None:
+        self.control({"op": "offline" if offline else "online"})
+
+    def writeback(self, enabled: bool, rate: int = 0) -> None:
+        """Trickle the chunk objects that flushes create up to the server while the VM runs (``rate`` in
+        bytes per second, 0 = unlimited)."""
+        self.control({"op": "writeback", "enabled": enabled, "rate": rate})
+
+    def trace_start(self, path: Path) -> None:
+        self.control({"op": "trace-start", "path": str(path.absolute())})
+
+    def trace_stop(self) -> int:
+        """Stop tracing; returns how many records were written."""
+        return int(self.control({"op": "trace-stop"}).get("records", 0))
+
+    # --- stopping -----------------------------------------------------------------------------------
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Unmount and wait for the daemon to exit (it flushes on the way out).
+
+        Raises VulpesFailure if it does not exit in time (it is killed then) or exits with an error.
+        """
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            unmount = self._unmount()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                still = "still mounted" if is_mounted(self.mountpoint) else "unmounted"
+                self.kill()
+                raise VulpesFailure(f"vulpes did not exit within {timeout:.0f} s of the unmount ({still}; fusermount3: "
+                                    f"{unmount or 'ok'}):\n{self.output()}") from None
+        release_mount(self.mountpoint)
+        code = self.proc.returncode
+        if code != 0:
+            raise VulpesFailure(f"vulpes exited with code {code}:\n{self.output()}")
+
+    def _unmount(self) -> str:
+        """``fusermount3 -u``, retried while the kernel still reports the mount busy (a file QEMU had open
+        or mapped can take a moment to be released after it exits); returns fusermount3's last complaint."""
+        complaint = ""
+        for _ in range(50):
+            result = subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True, text=True,
+                                    timeout=60)
+            if result.returncode == 0 or not is_mounted(self.mountpoint):
+                return ""
+            complaint = result.stderr.strip()
+            if self.proc is not None and self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        log.warning("cannot unmount %s: %s", self.mountpoint, complaint)
+        return complaint
+
+    def kill(self) -> None:
+        """``kill -9`` the daemon and detach its mount. Safe to call at any time, more than once."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(STOP_TIMEOUT)
+        release_mount(self.mountpoint)
+
+
+def cache_object_path(cache_dir: Path, tag: bytes | str) -> Path:
+    """Where vulpes keeps a chunk object in its cache: ``CACHE/chunks/ab/cd/<64 hex>``."""
+    text = tag.hex() if isinstance(tag, bytes) else tag
+    return cache_dir / "chunks" / text[:2] / text[2:4] / text

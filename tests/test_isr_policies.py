@@ -1,0 +1,110 @@
+"""Suspend at one site, resume at another, under every state-transfer policy, over shaped links.
+
+Two sites, each in its own network namespace behind a veth link shaped to 100 Mbit/s each way (tbf), with
+its own chunk cache and state, talk to one real isr-server. For every policy: site A resumes the parcel
+(booting it), makes visible changes (a RAM-only token, a file on disk, the RAM counter), suspends and
+checks in; site B resumes it with the policy, and the guest carries on exactly: the counter continues,
+the token survived, the file is there. Then the guest powers off at B, B checks in, and the committed
+disk image is e2fsck-clean.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
+from tests.isr_fixtures import (IsrEnv, NetSite, check_continues, make_changes, shaped_namespaces, sites,
+                                start_isr_env)
+
+pytestmark = pytest.mark.timeout(400)
+
+POLICIES = ["baseline", "proactive", "demand", "lazy-ws", "eager-ws", "eager-writeback"]
+
+
+@pytest.fixture(scope="module")
+def nets() -> Iterator[list[NetSite]]:
+    with shaped_namespaces(2, rate="100mbit") as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def isr_env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+            guest_artifacts) -> Iterator[IsrEnv]:  # noqa: F811
+    env = start_isr_env(request, tmp_path_factory.mktemp("isr-policies"), guest_artifacts)
+    try:
+        yield env
+    finally:
+        env.server.server.stop()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_guest_continues_at_the_other_site(policy: str, isr_env: IsrEnv, nets: list[NetSite],
+                                           tmp_path: Path) -> None:
+    parcel = isr_env.make_parcel(f"p-{policy}")
+    with sites(isr_env, tmp_path, ["A", "B"], nets) as (a, b):
+        # t1 at site A: boot (version 1 is powered off) and work.
+        a_policy = "eager-writeback" if policy == "eager-writeback" else "demand"
+        out = a.resume(parcel, "--policy", a_policy).stdout
+        assert "booted cold" in out
+        with a.console(parcel) as console:
+            console.wait_ready(90)
+            marks = make_changes(console, "site-a")
+        if policy == "eager-writeback":
+            status = a.stat(parcel)["session_status"]["vulpes"]["writeback"]
+            assert status["trickle"] is True
+
+        # Suspend and check in (t2).
+        out = a.isr("suspend", parcel.name).stdout
+        assert "committed version 2" in out, out
+        print(f"[{policy}] site A suspend:\n{out}")
+        a.wait_session_end(parcel)
+        assert isr_env.current_version(parcel) == 2
+
+        # t3 at site B: proactive policies warm the cache ahead of time.
+        if policy == "proactive":
+            out = b.isr("hoard", parcel.name, "--keyfile", str(parcel.keyfile)).stdout
+            assert "hoarding everything" in out
+        elif policy == "eager-ws":
+            out = b.isr("hoard", parcel.name, "--working-set", "--keyfile", str(parcel.keyfile)).stdout
+            assert "hoarding the working set" in out
+
+        # t4: resume at site B.
+        out = b.resume(parcel, "--policy", policy).stdout
+        assert re.search(r"version 2 resumed in [0-9.]+ s", out), out
+        print(f"[{policy}] site B resume:\n{out}")
+        if policy == "proactive":
+            assert re.search(r"all \d+ chunks were hoarded ahead of time", out), out
+        elif policy == "eager-ws":
+            match = re.search(r"working set: (\d+) of (\d+) chunks hoarded ahead of time", out)
+            assert match and match.group(1) == match.group(2) and int(match.group(2)) > 0, out
+        elif policy == "lazy-ws":
+            assert "hoarding the working set in the background" in out
+        elif policy == "baseline":
+            assert "hoarding everything (baseline)" in out
+
+        # t5: the guest carries on exactly where it stopped.
+        with b.console(parcel) as console:
+            check_continues(console, marks)
+            more = make_changes(console, "site-b", megabytes=1)
+            console.request_poweroff()
+        b.wait_session_end(parcel)
+        assert isr_env.current_version(parcel) == 3
+        info = b.stat(parcel)
+        assert info["lock"] is None and info["local"] is None
+
+        manifest = isr_env.check_committed_disk(parcel, tmp_path)
+        assert manifest.version == 3 and not manifest.suspended
+        assert manifest.images["memory"].chunks == 0
+        assert more.file
+
+        # And back at A: version 3 boots cold and has both sites' files.
+        a.resume(parcel)
+        with a.console(parcel) as console:
+            console.wait_ready(90)
+            assert console.check(f"md5sum {marks.file}").split()[0] == marks.digest
+            assert console.check(f"md5sum {more.file}").split()[0] == more.digest
+        a.isr("suspend", parcel.name, "--no-checkin")
+        a.wait_session_end(parcel)
