@@ -21,7 +21,7 @@ from .errors import ApiError, ServerError
 from .main import load_config
 from .meta import open_meta
 from .meta.sql import SqlMeta
-from .progress import ProgressBar
+from .progress import ProgressBar, human_size as size
 from .store import ObjectStore, open_store
 
 
@@ -33,17 +33,6 @@ def _when(ts: float | None) -> str:
     if ts is None:
         return "-"
     return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-def _size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return str(n)
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -254,7 +243,7 @@ class Admin:
     @staticmethod
     def _versions_table(versions: list[dict[str, Any]]) -> str:
         return _table([[str(v["version"]), _when(v["created"]), v["user"], f"{v['host']} ({v['site']})",
-                        str(v["chunk_count"]), _size(v["chunk_bytes"])] for v in versions],
+                        str(v["chunk_count"]), size(v["chunk_bytes"])] for v in versions],
                       ["VERSION", "CREATED", "BY", "FROM", "CHUNKS", "BYTES"])
 
     def version_list(self, args: argparse.Namespace) -> None:
@@ -308,7 +297,7 @@ class Admin:
             stats = ops.gc(self.meta, self.store, grace, progress=bar, dry_run=args.dry_run)
         self.out(stats, lambda: (f"{stats['candidates']} unreferenced chunk(s) older than {grace} s"
                                  if stats["dry_run"] else
-                                 f"deleted {stats['deleted']} chunk(s), {_size(stats['deleted_bytes'])}; "
+                                 f"deleted {stats['deleted']} chunk(s), {size(stats['deleted_bytes'])}; "
                                  f"{stats['orphans_deleted']} orphan object(s), {stats['staging_deleted']} stale "
                                  f"staged blob(s)"))
 
@@ -337,11 +326,11 @@ class Admin:
         data = ops.usage(self.meta)
 
         def human() -> str:
-            rows = [[name, str(u["parcels"]), str(u["versions"]), _size(u["logical_bytes"]),
-                     _size(u["unique_chunk_bytes"]), _size(u["blob_bytes"]),
+            rows = [[name, str(u["parcels"]), str(u["versions"]), size(u["logical_bytes"]),
+                     size(u["unique_chunk_bytes"]), size(u["blob_bytes"]),
                      f"{u['dedup_ratio']:.2f}" if u["dedup_ratio"] else "-"] for name, u in sorted(data["users"].items())]
-            total = (f"stored: {data['chunks']} chunks, {_size(data['chunk_bytes'])}; referenced by all versions: "
-                     f"{_size(data['logical_bytes'])}; dedup ratio "
+            total = (f"stored: {data['chunks']} chunks, {size(data['chunk_bytes'])}; referenced by all versions: "
+                     f"{size(data['logical_bytes'])}; dedup ratio "
                      + (f"{data['dedup_ratio']:.2f}" if data["dedup_ratio"] else "-"))
             return _table(rows, ["USER", "PARCELS", "VERSIONS", "LOGICAL", "UNIQUE", "BLOBS", "DEDUP"]) + "\n" + total
 

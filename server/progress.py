@@ -41,3 +41,15 @@ class ProgressBar:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def human_size(n: int | None) -> str:
+    """A byte count for people: ``812 B``, ``1.5 MiB``."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..meta import LockInfo, ParcelInfo, VersionInfo
+from ..progress import human_size as size
 
 APP_TITLE = "ISR lock server"
 
@@ -89,18 +90,6 @@ def ago(ts: float, now: float | None = None) -> str:
     else:
         text = f"{seconds // 86400} days" if seconds >= 2 * 86400 else "1 day"
     return f"in {text}" if future else f"{text} ago"
-
-
-def size(n: int | None) -> str:
-    """A byte count for people: ``812 B``, ``1.5 MiB``."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
 
 
 def timestamp(ts: float | None, now: float | None = None) -> Markup:

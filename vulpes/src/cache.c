@@ -39,6 +39,7 @@
 #include <sqlite3.h>
 
 #include "chunk.h"
+#include "file.h"
 #include "hex.h"
 #include "log.h"
 
@@ -115,20 +116,6 @@ static int mkdir_p_at(int dir_fd, const char *relpath) {
                 *p = saved;
                 if (!saved)
                         break;
-        }
-        return 0;
-}
-
-static int write_full(int fd, const uint8_t *p, size_t len) {
-        while (len > 0) {
-                ssize_t n = write(fd, p, len);
-
-                if (n < 0 && errno == EINTR)
-                        continue;
-                if (n < 0)
-                        return -errno;
-                p += n;
-                len -= (size_t) n;
         }
         return 0;
 }
@@ -864,7 +851,7 @@ static int tmp_write(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const void *obj
         }
         r = fchmod(fd, 0644) < 0 ? -errno : 0;
         if (r >= 0)
-                r = write_full(fd, object, len);
+                r = file_write_full(fd, object, len);
         if (r >= 0 && sync && fdatasync(fd) < 0)
                 r = -errno;
         if (close(fd) < 0 && r >= 0)

@@ -69,7 +69,9 @@ out_close:
         return r;
 }
 
-static int write_full(int fd, const uint8_t *p, size_t len) {
+int file_write_full(int fd, const void *data, size_t len) {
+        const uint8_t *p = data;
+
         while (len > 0) {
                 ssize_t n = write(fd, p, len);
 
@@ -95,7 +97,7 @@ int file_write_atomic(const char *path, const void *data, size_t len, unsigned m
                 log_error("failed to create %s: %s", tmp, strerror(-r));
                 goto out_free;
         }
-        if (fchmod(fd, mode) < 0 || (r = write_full(fd, data, len)) < 0 || fsync(fd) < 0) {
+        if (fchmod(fd, mode) < 0 || (r = file_write_full(fd, data, len)) < 0 || fsync(fd) < 0) {
                 r = r < 0 ? r : -errno;
                 log_error("failed to write %s: %s", tmp, strerror(-r));
                 goto out_unlink;
