@@ -9,11 +9,31 @@ import os
 import platform
 import shutil
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 SOURCE_DIR = Path(__file__).resolve().parent.parent
+
+T = TypeVar("T")
+
+
+def wait_until(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05) -> T:
+    """Poll ``probe`` until it returns something truthy (returned); fail the test after ``timeout`` s.
+
+    The one way tests wait for a condition: never a bare sleep.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
 
 
 def _build_dir() -> Path:

@@ -10,16 +10,13 @@ transcript) land in the test's ``tmp_path``.
 """
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+import functools
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
 from parcels.guest import GuestArtifacts, GuestBuildError, build, copy_disk
-
-T = TypeVar("T")
+from tests.conftest import wait_until as _wait_until
 
 
 @pytest.fixture(scope="session")
@@ -37,13 +34,5 @@ def guest_disk(guest_artifacts: GuestArtifacts, tmp_path: Path) -> Path:
     return copy_disk(guest_artifacts.disk, tmp_path / "disk.img")
 
 
-def wait_until(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2) -> T:
-    """Poll ``probe`` until it returns something truthy (returned), failing the test after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
+#: Console probes are round trips over the serial line: poll them more gently than local conditions.
+wait_until = functools.partial(_wait_until, interval=0.2)

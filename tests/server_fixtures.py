@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from isrctl.remote import Remote, RemoteError
+from tests.conftest import wait_until
 
 BIN = Path(sys.executable).parent
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
@@ -43,15 +44,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
-    """Poll `predicate` until it is true; fail the test with `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 def toml_value(value: Any) -> str:

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_until
 from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
 from tests.vulpes_fixtures import (CHUNK_SIZE, FaultServer, IsrServer, Vulpes, chunk_path, drop_caches,
                                    isr_server, make_state, random_image, read_all, spki_pin,  # noqa: F401
-                                   vulpes_binary, wait_for)
+                                   vulpes_binary)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -266,7 +267,7 @@ def test_server_stopped_mid_read_then_restarted(vulpes_binary: Path, tmp_path: P
             server.stop()
             reader = threading.Thread(target=lambda: result.update(data=read_all(v.path("disk"))))
             reader.start()
-            wait_for(lambda: v.status()["fetch"]["waiting"], 20, "vulpes to report that it is waiting")
+            wait_until(lambda: v.status()["fetch"]["waiting"], 20, "vulpes to report that it is waiting")
             time.sleep(1.0)
             assert reader.is_alive(), "the read must wait, not fail"
             server.start()                              # same port
@@ -339,7 +340,7 @@ def test_cache_limit_evicts_and_refetches(vulpes_binary: Path, isr_server: IsrSe
     cache = tmp_path / "cache"
     with server_vulpes(vulpes_binary, tmp_path, state, isr_server, extra=["--cache-limit=4M"]) as v:
         assert read_all(v.path("disk")) == content
-        status = wait_for(lambda: (s := v.status())["cache"]["bytes"] <= limit and s, 30, "eviction")
+        status = wait_until(lambda: (s := v.status())["cache"]["bytes"] <= limit and s, 30, "eviction")
         assert status["cache"]["limit"] == limit and status["cache"]["evictions"] > 0
         assert status["cache"]["pinned"] == 0
         assert status["hits"]["server"] == len(state.records["disk"])
@@ -349,7 +350,7 @@ def test_cache_limit_evicts_and_refetches(vulpes_binary: Path, isr_server: IsrSe
         assert read_all(v.path("disk")) == content
         status = v.status()
         assert 0 < status["hits"]["server"] < len(state.records["disk"]) and status["hits"]["cache"] > 0
-        wait_for(lambda: v.status()["cache"]["bytes"] <= limit, 30, "eviction")
+        wait_until(lambda: v.status()["cache"]["bytes"] <= limit, 30, "eviction")
         assert cache_bytes_on_disk(cache) <= limit
 
 
@@ -375,7 +376,7 @@ def test_cache_limit_never_evicts_pending_uploads(vulpes_binary: Path, isr_serve
         # Pressure: read the rest of the image (from the server, through the small cache).
         drop_caches(v.path("disk"))
         assert read_all(v.path("disk"))[len(written):] == model[len(written):]
-        status = wait_for(lambda: (s := v.status())["cache"]["evictions"] > 0 and s, 30, "eviction")
+        status = wait_until(lambda: (s := v.status())["cache"]["evictions"] > 0 and s, 30, "eviction")
         assert status["cache"]["pinned"] == len(tags)
         assert status["cache"]["bytes"] > 1 * MIB, "the pinned objects alone are over the limit"
         assert all(chunk_path(cache, tag).exists() for tag in tags)
@@ -390,7 +391,7 @@ def test_cache_limit_never_evicts_pending_uploads(vulpes_binary: Path, isr_serve
         v.control({"op": "online"})
         assert v.control({"op": "upload"})["ok"]
         # Uploaded: no longer pinned, so the limit applies to them too.
-        status = wait_for(lambda: (s := v.status())["cache"]["pinned"] == 0 and s["cache"]["bytes"] <= 1 * MIB
+        status = wait_until(lambda: (s := v.status())["cache"]["pinned"] == 0 and s["cache"]["bytes"] <= 1 * MIB
                           and s, 30, "unpinned objects evicted")
         assert status["images"]["disk"]["pending_uploads"] == 0
 
@@ -416,7 +417,7 @@ def test_two_vulpes_share_one_limited_cache(vulpes_binary: Path, isr_server: Isr
         assert tags and b.status()["cache"]["pinned"] == len(tags)
         assert read_all(b.path("disk")) == content_b
         # b's limit applies to the whole cache; a's pinned objects may keep it above the limit.
-        status = wait_for(lambda: (s := b.status())["cache"]["evictions"] > 0
+        status = wait_until(lambda: (s := b.status())["cache"]["evictions"] > 0
                           and s["cache"]["bytes"] <= 2 * MIB + 2 * len(written) and s, 30, "eviction by b")
         assert all(chunk_path(cache, tag).exists() for tag in tags)
         drop_caches(a.path("disk"))
@@ -461,7 +462,7 @@ def test_hoard_list_in_priority_order_and_restart(vulpes_binary: Path, isr_serve
         # Offline: nothing moves, and the request is remembered.
         assert (tmp_path / "state" / "hoard.request").read_text().startswith("disk 7 3 1")
     with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
-        hoard = wait_for(lambda: (h := v.status()["hoard"])["state"] == "done" and h, 30, "the hoard to finish")
+        hoard = wait_until(lambda: (h := v.status()["hoard"])["state"] == "done" and h, 30, "the hoard to finish")
         assert hoard["chunks_done"] == 3
     assert not (tmp_path / "state" / "hoard.request").exists()
     for index in (7, 3, 1):
@@ -567,7 +568,7 @@ def test_writeback_uploads_dirty_chunks(vulpes_binary: Path, tmp_path: Path) -> 
                 f.seek(7 * CHUNK_SIZE)
                 f.write(b"B" * 100)
                 os.fsync(f.fileno())
-            wait_for(lambda: v.status()["images"]["disk"]["pending_uploads"] == 0 and
+            wait_until(lambda: v.status()["images"]["disk"]["pending_uploads"] == 0 and
                      v.status()["writeback"]["uploaded_chunks"] == 3, 30, "trickle writeback")
             assert v.control({"op": "checkin-done"})["ok"]
             assert v.status()["images"]["disk"]["changed_chunks"] == 0
