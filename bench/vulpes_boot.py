@@ -24,11 +24,11 @@ import argparse
 import dataclasses
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+from nginx_origin import Nginx
 from vulpes_common import (NETNS, NS_ADDR, REPO, machine, netns, shape, start_server, table, today,
                            update_section)
 
@@ -37,46 +37,6 @@ from tests.vulpes_fixtures import Vulpes, make_state  # noqa: E402
 
 MIB = 1 << 20
 NGINX_PORT = 8444
-
-
-def start_nginx(work: Path, root: Path, cert: Path, key: Path) -> subprocess.Popen[bytes]:
-    conf = work / "nginx.conf"
-    conf.write_text(f"""
-worker_processes 1;
-pid {work}/nginx.pid;
-error_log {work}/nginx.error.log;
-daemon off;
-events {{ worker_connections 256; }}
-http {{
-    access_log {work}/nginx.access.log;
-    sendfile on;
-    server {{
-        listen {NS_ADDR}:{NGINX_PORT} ssl;
-        ssl_certificate {cert};
-        ssl_certificate_key {key};
-        root {root};
-    }}
-}}
-""")
-    proc = subprocess.Popen(["ip", "netns", "exec", NETNS, "nginx", "-c", str(conf)], stderr=subprocess.DEVNULL)
-    time.sleep(0.5)
-    if proc.poll() is not None:
-        raise SystemExit(f"nginx did not start: {(work / 'nginx.error.log').read_text()}")
-    return proc
-
-
-def nginx_bytes(work: Path) -> int:
-    total = 0
-    log = work / "nginx.access.log"
-    if log.exists():
-        for line in log.read_text().splitlines():
-            parts = line.split('"')
-            if len(parts) > 2:
-                fields = parts[2].split()
-                if len(fields) >= 2 and fields[1].isdigit():
-                    total += int(fields[1])
-        log.write_text("")
-    return total
 
 
 def run_workload(guest, artifacts) -> float:
@@ -105,13 +65,11 @@ def main() -> None:
         try:
             state = make_state(work / "state", Path(artifacts.disk), 256 * MIB)
             state.publish(server.store)
-            # nginx's workers run as www-data: a world-readable copy in a traversable directory.
-            work.chmod(0o755)
             web = work / "web"
-            web.mkdir(mode=0o755)
-            subprocess.run(["cp", "--sparse=always", str(artifacts.disk), str(web / "disk.img")], check=True)
-            (web / "disk.img").chmod(0o644)
-            nginx = start_nginx(work, web, server.cert, server.cert.with_suffix(".key"))
+            web.mkdir()
+            (web / "disk.img").symlink_to(artifacts.disk)
+            nginx = Nginx(work, root=web, cert=server.cert, key=server.cert.with_suffix(".key"),
+                          listen=f"{NS_ADDR}:{NGINX_PORT}", prefix=("ip", "netns", "exec", NETNS)).start()
             url = f"https://{NS_ADDR}:{NGINX_PORT}/disk.img"
             for rate in (float(r) for r in args.rates.split(",")):
                 shape(rate or None)
@@ -135,7 +93,7 @@ def main() -> None:
                             print(f"vulpes output:\n{v.output()}", flush=True)
                             raise
                         volume["vulpes"] = v.status()["fetch"]["bytes"]
-                    nginx_bytes(work)
+                    nginx.traffic(reset=True)
                     drive = (f"file.driver=https,file.url={url},file.sslverify=off,file.timeout=60,format=raw,"
                              "if=none,id=disk0,snapshot=on")
                     try:
@@ -152,7 +110,7 @@ def main() -> None:
                         print(f"curl baseline failed: {failures[-1]}", flush=True)
                         times["curl"].append(float("nan"))
                         workload["curl"].append(float("nan"))
-                    volume["curl"] = nginx_bytes(work)
+                    volume["curl"] = nginx.traffic(reset=True).body
                     print(f"{rate:g} Mbit/s trial {trial + 1}: vulpes boot {times['vulpes'][-1]:.1f} s + workload "
                           f"{workload['vulpes'][-1]:.1f} s ({volume['vulpes'] / MIB:.1f} MiB), curl boot "
                           f"{times['curl'][-1]:.1f} s + workload {workload['curl'][-1]:.1f} s "
@@ -168,8 +126,7 @@ def main() -> None:
         finally:
             shape(None)
             if nginx is not None:
-                nginx.terminate()
-                nginx.wait(timeout=10)
+                nginx.stop()
             server.stop()
 
     header = ["link (Mbit/s)", "vulpes: boot + workload (s)", "vulpes fetched (MiB)",

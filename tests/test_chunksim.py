@@ -17,7 +17,7 @@ import zstandard
 
 from tools.chunksim.__main__ import main
 from tools.chunksim.cache import ChunkCache, Ranges, simulate, sweep
-from tools.chunksim.capture import data_ranges_at, parse_qemu_log, read_qemu_log, scan_data_ranges
+from tools.chunksim.capture import data_ranges_at, parse_qemu_log, read_qemu_log, scan_data_ranges, vulpes_accesses
 from tools.chunksim.errors import ChunksimError, ModelError, TraceFormatError
 from tools.chunksim.policy import (POLICIES, PolicyParams, Prediction, dirty_state, predict, stored_disk_bytes, timing,
                                    with_defaults, working_set_order)
@@ -251,7 +251,45 @@ def test_vulpes_traces_give_chunk_offsets_relative_times_and_several_runs(tmp_pa
                               Access(1.0, 262144, 131072, "R", "disk", "cache")]
 
 
+def test_several_images_state_sizes_and_data_per_image(tmp_path: Path) -> None:
+    path = write_text(tmp_path / "two.csv",
+                      "# image_size.disk: 1048576\n# image_size.memory: 262144\n"
+                      "# data_ranges.disk: 0-4096\n# data_ranges.memory: \n"
+                      "time_s,offset,length,op,image\n0,0,4096,R,disk\n0.1,131072,4096,R,memory\n"
+                      "0.2,258048,4096,W,memory\n")
+    trace = read_trace(path)
+    assert trace.image_size is None and trace.image_sizes() == {"disk": 1 << 20, "memory": 256 * K}
+    assert trace.data_ranges() == {"disk": [(0, 4096)], "memory": []}
+    # 128K chunks: disk chunk 0 has data (one miss); memory chunk 1 holds none (a zero fill, no fetch); the
+    # write at 252 KiB lands in that same memory chunk: one dirty chunk of 128 KiB.
+    result = simulate(trace, 128 * K, write_policy="whole-no-fetch")
+    assert (result.misses, result.zero_fills, result.bytes_fetched) == (1, 1, 128 * K)
+    assert result.dirty_chunks == 1 and result.upload_bytes == 128 * K
+    # Both images' data and writes make the stored state: disk chunk 0 and memory chunk 1.
+    assert stored_disk_bytes(trace, 128 * K) == 256 * K
+    with pytest.raises(TraceFormatError, match="image_size.memory"):
+        read_trace(write_text(tmp_path / "bad.csv", "# image_size.memory: lots\n0,0,1,R,memory\n"))
+    with pytest.raises(TraceFormatError, match="data_ranges.disk"):
+        read_trace(write_text(tmp_path / "bad2.csv", "# data_ranges.disk: 9-3\n0,0,1,R,disk\n"))
+
+
 # --- capture's helpers (no QEMU needed) ------------------------------------------------------------------
+
+def test_vulpes_records_of_one_request_merge_into_one_access(tmp_path: Path) -> None:
+    path = write_text(tmp_path / "vulpes.trace",
+                      "# vulpes-trace 1 chunk_size=4096\n"
+                      "1000.5000 memory 10 r zero\n"
+                      "1000.5001 memory 11 r zero\n"     # next chunk, same request: merged
+                      "1000.5002 memory 12 w new\n"      # another op: a new access
+                      "1000.5003 memory 14 w new\n"      # not adjacent: a new access
+                      "1000.5004 memory 15 w ram\n"      # another source: a new access
+                      "1000.9000 memory 16 w ram\n")     # adjacent but 0.4 s later: a new access
+    # Times count from the mount (origin 1000.0), not from the first record.
+    assert vulpes_accesses(path, origin=1000.0) == [
+        Access(0.5, 40960, 8192, "R", "memory", "zero"), Access(0.5002, 49152, 4096, "W", "memory", "new"),
+        Access(0.5003, 57344, 4096, "W", "memory", "new"), Access(0.5004, 61440, 4096, "W", "memory", "ram"),
+        Access(0.9, 65536, 4096, "W", "memory", "ram")]
+
 
 QEMU_LOG = """\
 29594@1000.000100:blk_co_preadv blk 0x55 bs 0x56 offset 0 bytes 512 flags 0x0
@@ -402,10 +440,16 @@ def test_stored_traces_parse_and_cover_the_workloads() -> None:
         workloads[trace.metadata.get("workload")] = trace
         assert trace.accesses, path
         assert trace.metadata["guest"].startswith("big-")
-        assert trace.image_size == 1 << 30 and trace.data_ranges() is not None
-        assert max(a.end for a in trace.accesses) <= trace.image_size
+        sizes = trace.image_sizes()
+        assert sizes["disk"] == 1 << 30 and trace.data_ranges() is not None
+        assert all(a.end <= sizes[a.image] for a in trace.accesses)
     assert {"boot", "office", "rsd"} <= set(workloads)
     assert all(any(a.op == "W" for a in workloads[w].accesses) for w in ("office", "rsd"))
+    # The boot went through vulpes: its RAM (the memory image, all zero at the start) dominates.
+    boot = workloads["boot"]
+    assert boot.images() == ["disk", "memory"] and boot.data_ranges()["memory"] == []  # type: ignore[index]
+    assert sum(a.length for a in boot.accesses if a.image == "memory" and a.op == "R") > 32 << 20
+    assert sum(a.length for a in boot.accesses if a.image == "memory" and a.op == "W") > 32 << 20
 
 
 def _png_size(data: bytes) -> tuple[int, int]:

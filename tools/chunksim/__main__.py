@@ -7,6 +7,7 @@
                                    [--chunk-size 128K] [--launch 1s] [--travel T] [--working-set TRACE]
                                    [--write-policy P] [--all-chunks-stored] [--json] ...
     python -m tools.chunksim capture boot|office|rsd|testwork [-o OUT] [--variant big] [--think S]
+                                   [--idle S] [--chunk-size 4K]
 
 See doc/chunksim.md for the model and its assumptions.
 """
@@ -81,13 +82,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of the policies")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    from .capture import DEFAULT_IDLE, WORKLOADS
+    from .capture import BOOT_CHUNK_SIZE, DEFAULT_IDLE, WORKLOADS
     p = sub.add_parser("capture", help="record a block trace of a workload in the real test guest (QEMU)")
     p.add_argument("workload", choices=WORKLOADS)
     p.add_argument("-o", "--output", type=Path, help="trace file (default tools/chunksim/traces/WORKLOAD.csv.zst)")
     p.add_argument("--variant", default="big", help="test guest variant (default big)")
     p.add_argument("--think", type=float, help="think time in seconds (default: office 1, rsd 2)")
     p.add_argument("--idle", type=float, default=DEFAULT_IDLE, help="boot: seconds to idle after ready")
+    p.add_argument("--chunk-size", default=format_size(BOOT_CHUNK_SIZE),
+                   help="boot: chunk size of the parcel vulpes serves, the trace's granularity (default 4K)")
     p.add_argument("--keep", type=Path, metavar="DIR", help="keep the disk, QEMU's log and the console here")
     return parser
 
@@ -238,7 +241,7 @@ def _capture(args: argparse.Namespace) -> int:
     from .capture import capture, command_line
     output = args.output or Path(__file__).resolve().parent / "traces" / f"{args.workload}.csv.zst"
     result = capture(args.workload, output, variant=args.variant, think=args.think, idle=args.idle,
-                     run_dir=args.keep, command=command_line())
+                     run_dir=args.keep, command=command_line(), chunk_size=parse_size(args.chunk_size))
     print(f"{result.path}: {result.accesses} requests over {result.seconds:.1f} s ({result.guest_result})")
     return 0
 

@@ -21,11 +21,13 @@ chunks") or an LRU of ``capacity`` bytes.
   of reads only and an infinite cache that is exactly bytes fetched - distinct bytes read.
 
 - **Zero chunks**: ISR never stores an all-zero chunk (doc/parcel-format.md), so when the trace says which
-  bytes held data at its start (metadata ``data_ranges``, written by `capture`), an absent chunk with no
-  data in it is filled with zeros locally: no fetch, not a miss (counted as ``zero_fills``). Without that
+  bytes held data at its start (metadata ``data_ranges`` or ``data_ranges.<image>``, written by `capture`),
+  an absent chunk with no data in it is filled with zeros locally: no fetch, not a miss (counted as
+  ``zero_fills``). Without that
   metadata, or with ``zero_chunks=False``, every chunk is assumed stored, as in the papers' Coda.
 
-The last chunk of an image is shorter when the image size is known (trace metadata ``image_size``).
+The last chunk of an image is shorter when the image size is known (trace metadata ``image_size``, or
+``image_size.<image>`` in a trace of several images).
 """
 from __future__ import annotations
 
@@ -338,20 +340,13 @@ class ChunkCache:
         return stats
 
 
-def image_sizes(trace: Trace) -> dict[str, int]:
-    """The image sizes a trace states (one image with ``image_size`` metadata), else none."""
-    size = trace.image_size
-    images = trace.images()
-    return {images[0]: size} if size is not None and len(images) == 1 else {}
-
-
 def simulate(trace: Trace, chunk_size: int, *, write_policy: str = "fetch", capacity: int | None = None,
              zero_chunks: bool = True) -> SizeResult:
     """Demand-fetch ``trace`` through a cold cache of ``chunk_size`` chunks; see the module docstring.
 
     ``zero_chunks``: use the trace's data_ranges (if it has them) to skip fetching chunks with no data.
     """
-    cache = ChunkCache(chunk_size, write_policy=write_policy, capacity=capacity, image_sizes=image_sizes(trace),
+    cache = ChunkCache(chunk_size, write_policy=write_policy, capacity=capacity, image_sizes=trace.image_sizes(),
                        data_ranges=trace.data_ranges() if zero_chunks else None, trace_name=trace.name)
     for access in trace.accesses:
         cache.touch(access)

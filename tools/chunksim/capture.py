@@ -13,9 +13,18 @@ guest with tracing on, runs one workload, and writes the window of that workload
 image held data when the window opened (``data_ranges``: the pristine image's non-zero 4 KiB blocks plus
 everything written before the window), because ISR never stores, so never fetches, an all-zero chunk.
 
+The boot is traced differently, because this guest's root file system is its initramfs: its disk sees only
+the mount of ``/data`` (about ten requests), while the boot itself fills guest RAM. ISR keeps guest RAM in
+vulpes's ``memory`` image, so `_capture_boot` boots the guest as an ISR resume of a powered-off parcel
+does: a parcel made from the guest's disk (``BOOT_CHUNK_SIZE`` = 4 KiB chunks, so the trace is as fine as a
+page), served by vulpes with RAM on MOUNT/memory, traced by vulpes itself from the mount
+(`vulpes_accesses`), with both images' sizes and data (``image_size.<image>``, ``data_ranges.<image>``) in
+the metadata.
+
 Workloads (scripts on the guest's disk, ``parcels/guest/files/``):
 
-``boot``    from the guest's first instruction to ready, then ``idle`` seconds of doing nothing
+``boot``    through vulpes, disk and memory images: from the mount to ready, ``idle`` seconds of doing
+            nothing, then the suspend's part (VM stopped, RAM and disk written back through vulpes)
 ``office``  ``office.sh run THINK``: documents made by ``office.sh setup`` beforehand (outside the window),
             then the page cache is dropped so the session reads them from the disk, as it would after a
             reboot; 46 operations with THINK seconds between them
@@ -29,6 +38,7 @@ takes a couple of minutes under TCG.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -40,19 +50,26 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .cache import Ranges
 from .errors import CaptureError
-from .trace import READ, WRITE, Access, Trace, format_ranges, write_trace
+from .trace import READ, WRITE, Access, Trace, format_ranges, read_trace, write_trace
+
+if TYPE_CHECKING:
+    from parcels.guest import GuestArtifacts
 
 log = logging.getLogger(__name__)
 
 WORKLOADS = ("boot", "office", "rsd", "testwork")
+#: The boot capture's parcel: chunk size (the trace's granularity) and guest RAM.
+BOOT_CHUNK_SIZE = 4096
+BOOT_RAM_MIB = 256
 #: Scaled-down think times (seconds): CDA paused 10 s between operations, RSD 10 s between tasks.
 DEFAULT_THINK = {"boot": 0.0, "office": 1.0, "rsd": 2.0, "testwork": 0.0}
 DEFAULT_IDLE = 10.0
 DESCRIPTIONS = {
-    "boot": "boot the test guest to ready, then idle",
+    "boot": "boot the test guest from vulpes (disk and RAM images) to ready, idle, stop and write back",
     "office": "office-like editing session (office.sh run): documents, spreadsheets, mail, web, autosaves",
     "rsd": "software developer (rsd.sh): unpack, configure, build, grep, touch+rebuild, checksum, delete",
     "testwork": "the test workload (run.sh): unpack, grep, checksum, copy, write, delete, drop caches, verify",
@@ -171,8 +188,10 @@ def _qemu_version() -> str:
 
 def capture(workload: str, dest: Path, *, variant: str = "big", think: float | None = None,
             idle: float = DEFAULT_IDLE, run_dir: Path | None = None, timeout: float = 1800.0,
-            command: str | None = None) -> CaptureResult:
+            command: str | None = None, chunk_size: int = BOOT_CHUNK_SIZE) -> CaptureResult:
     """Boot the ``variant`` test guest with block tracing, run ``workload``, write its trace to ``dest``.
+
+    ``boot`` is traced by vulpes instead (`_capture_boot`, with ``chunk_size``); the others by QEMU.
 
     Raises `CaptureError` if the workload is unknown or fails, or if the guest could not be run.
     """
@@ -189,6 +208,9 @@ def capture(workload: str, dest: Path, *, variant: str = "big", think: float | N
         artifacts = build(variant)
     except GuestError as exc:
         raise CaptureError(f"cannot build the test guest: {exc}") from exc
+    command = command or f"python -m tools.chunksim capture {workload} --variant {variant} --think {think:g}"
+    if workload == "boot":
+        return _capture_boot(artifacts, dest, idle=idle, chunk_size=chunk_size, run_dir=run_dir, command=command)
     with tempfile.TemporaryDirectory(prefix="chunksim-capture-") as tmp:
         work = run_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -202,27 +224,22 @@ def capture(workload: str, dest: Path, *, variant: str = "big", think: float | N
             with booted_guest(artifacts, disk, run_dir=work, name=f"capture-{workload}",
                               extra_args=trace_arguments(qemu_log)) as guest:
                 console = guest.console
-                if workload == "boot":
-                    start = guest.started_wall
-                    console.check(f"sleep {idle:g}", timeout=idle + 60)
-                    result = f"ready after {guest.guest_uptime:.2f} s guest uptime, idle {idle:g} s"
+                if workload == "office":
+                    log.info("making the office documents (outside the traced window)")
+                    log.info("%s", console.check("/data/workload/office.sh setup", timeout=timeout).strip())
+                    script = f"/data/workload/office.sh run {think:g}"
+                elif workload == "testwork":
+                    script = "/data/workload/run.sh"
                 else:
-                    if workload == "office":
-                        log.info("making the office documents (outside the traced window)")
-                        log.info("%s", console.check("/data/workload/office.sh setup", timeout=timeout).strip())
-                        script = f"/data/workload/office.sh run {think:g}"
-                    elif workload == "testwork":
-                        script = "/data/workload/run.sh"
-                    else:
-                        script = f"/data/workload/rsd.sh {think:g}"
-                    console.check("sync && echo 3 >/proc/sys/vm/drop_caches", timeout=120)
-                    start = time.time()
-                    log.info("running %s", script)
-                    output = console.check(script, timeout=timeout)
-                    match = _GUEST_RESULT.search(output)
-                    if match is None or match.group(1) != "ok":
-                        raise CaptureError(f"workload {workload} did not report success:\n{output[-2000:]}")
-                    result = match.group(0).strip()
+                    script = f"/data/workload/rsd.sh {think:g}"
+                console.check("sync && echo 3 >/proc/sys/vm/drop_caches", timeout=120)
+                start = time.time()
+                log.info("running %s", script)
+                output = console.check(script, timeout=timeout)
+                match = _GUEST_RESULT.search(output)
+                if match is None or match.group(1) != "ok":
+                    raise CaptureError(f"workload {workload} did not report success:\n{output[-2000:]}")
+                result = match.group(0).strip()
                 end = time.time()
                 log.info("window %.1f s; powering off", end - start)
                 try:
@@ -244,13 +261,8 @@ def capture(workload: str, dest: Path, *, variant: str = "big", think: float | N
     if not accesses:
         raise CaptureError(f"the {workload} window holds no block requests: is QEMU's log trace back end there?")
     metadata = {
-        "workload": workload,
-        "description": DESCRIPTIONS[workload],
-        "guest": f"{artifacts.variant}-{artifacts.key}",
-        "kernel": next((f"{k} {v}" for k, v in artifacts.versions.items() if k.startswith("linux-image")), "?"),
+        **_common_metadata(workload, artifacts, command),
         "qemu": _qemu_version() + " (TCG, -m 256, virtio-blk, cache=writeback)",
-        "captured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": command or f"python -m tools.chunksim capture {workload} --variant {variant} --think {think:g}",
         "think_s": f"{think:g}",
         "window_s": f"{end - start:.3f}",
         "guest_result": result,
@@ -258,12 +270,140 @@ def capture(workload: str, dest: Path, *, variant: str = "big", think: float | N
         "image_size": str(image_size),
         "data_ranges": format_ranges(data),
     }
-    trace = Trace(name=workload, accesses=accesses, metadata=metadata)
+    return _write(Trace(name=workload, accesses=accesses, metadata=metadata), dest, end - start, result)
+
+
+def _common_metadata(workload: str, artifacts: GuestArtifacts, command: str) -> dict[str, str]:
+    return {
+        "workload": workload,
+        "description": DESCRIPTIONS[workload],
+        "guest": f"{artifacts.variant}-{artifacts.key}",
+        "kernel": next((f"{k} {v}" for k, v in artifacts.versions.items() if k.startswith("linux-image")), "?"),
+        "captured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": command,
+    }
+
+
+def _write(trace: Trace, dest: Path, seconds: float, result: str) -> CaptureResult:
     dest.parent.mkdir(parents=True, exist_ok=True)
     write_trace(trace, dest)
-    log.info("%s: %d accesses over %.1f s -> %s (%d bytes)", workload, len(accesses), end - start, dest,
+    log.info("%s: %d accesses over %.1f s -> %s (%d bytes)", trace.name, len(trace.accesses), seconds, dest,
              dest.stat().st_size)
-    return CaptureResult(path=dest, accesses=len(accesses), seconds=end - start, guest_result=result)
+    return CaptureResult(path=dest, accesses=len(trace.accesses), seconds=seconds, guest_result=result)
+
+
+# --- boot, traced by vulpes --------------------------------------------------------------------------------
+
+def _capture_boot(artifacts: GuestArtifacts, dest: Path, *, idle: float, chunk_size: int, run_dir: Path | None,
+                  command: str) -> CaptureResult:
+    """Boot the guest from vulpes as an ISR resume of a powered-off parcel does, tracing in vulpes.
+
+    The parcel (made here with ``chunk_size`` chunks in a local store) is served by vulpes with the store
+    as its lookaside directory, so no server is involved; QEMU gets MOUNT/disk as its disk and MOUNT/memory
+    as its RAM (``memory-backend-file``, ``share=on``), as isrctl's sessions do. The window runs from the
+    mount to the end of the suspend's flush: the boot to the ready marker, ``idle`` seconds, then the VM
+    stopped and its RAM and disk written back through vulpes (fsync, then vulpes' flush).
+    """
+    from isrctl.errors import IsrError
+    from isrctl.vulpes import Vulpes
+    from parcels import parcel as parcel_ops
+    from parcels.errors import ParcelError
+    from parcels.guest import GuestError, booted_guest
+    from parcels.keyring import Keyring
+    from parcels.store import DirStore
+
+    with tempfile.TemporaryDirectory(prefix="chunksim-capture-") as tmp:
+        work = run_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            store = DirStore(work / "store")
+            keyfile = os.urandom(32)
+            parcel = parcel_ops.create_parcel(store, name="chunksim-boot", disk=artifacts.disk, ram_mib=BOOT_RAM_MIB,
+                                              keyfile=keyfile, chunk_size=chunk_size, tmpdir=work)
+            keys = parcel_ops.unlock(store, parcel, keyfile=keyfile)
+            version = parcel_ops.open_version(store, parcel, 1, keys)
+        except ParcelError as exc:
+            raise CaptureError(f"cannot make the parcel to boot: {exc}") from exc
+        state = work / "state"
+        state.mkdir(exist_ok=True)
+        sizes = {}
+        for image in ("disk", "memory"):
+            sizes[image] = version.manifest.images[image].size
+            (state / f"keyring.{image}").unlink(missing_ok=True)
+            with Keyring.create(state / f"keyring.{image}", chunk_size, sizes[image]) as keyring:
+                keyring.put_many(version.records(image))
+        trace_path = work / "vulpes.trace"
+        trace_path.unlink(missing_ok=True)
+        vulpes = Vulpes(mountpoint=work / "mnt", state_dir=state, cache_dir=work / "cache",
+                        control_path=work / "vulpes.control", log_path=work / "vulpes.log", trace=trace_path,
+                        lookaside=[store.root])
+        marks: dict[str, float] = {}
+        try:
+            marks["mount"] = time.time()
+            vulpes.start(keys)
+            with booted_guest(artifacts, vulpes.disk, memory_file=vulpes.memory, run_dir=work,
+                              name="capture-boot", ready_timeout=600) as guest:
+                marks["ready"] = time.time()
+                uptime = guest.guest_uptime
+                guest.console.check(f"sleep {idle:g}", timeout=idle + 60)
+                marks["stop"] = time.time()
+                guest.vm.stop()
+                for image in (vulpes.memory, vulpes.disk):
+                    fd = os.open(image, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                vulpes.flush()
+                vulpes.trace_stop()
+                marks["end"] = time.time()
+        except (GuestError, IsrError, OSError) as exc:
+            raise CaptureError(f"capture of boot failed: {exc}") from exc
+        finally:
+            with contextlib.suppress(IsrError):
+                vulpes.stop()
+            vulpes.kill()
+        accesses = vulpes_accesses(trace_path, marks["mount"])
+        pristine = scan_data_ranges(artifacts.disk)
+    if not accesses:
+        raise CaptureError("vulpes traced no accesses during the boot")
+    window = marks["end"] - marks["mount"]
+    result = f"ready after {uptime:.2f} s guest uptime, idle {idle:g} s"
+    metadata = {
+        **_common_metadata("boot", artifacts, command),
+        "qemu": _qemu_version() + f" (TCG, -m {BOOT_RAM_MIB}, virtio-blk, cache=writeback, RAM on MOUNT/memory)",
+        "traced_by": f"vulpes, {chunk_size}-byte chunks, from the mount; consecutive chunks of one request merged",
+        "window_s": f"{window:.3f}",
+        "ready_s": f"{marks['ready'] - marks['mount']:.3f}",
+        "stop_s": f"{marks['stop'] - marks['mount']:.3f}",
+        "guest_result": result,
+        "image_size.disk": str(sizes["disk"]),
+        "image_size.memory": str(sizes["memory"]),
+        "data_ranges.disk": format_ranges(pristine),
+        "data_ranges.memory": "",
+    }
+    return _write(Trace(name="boot", accesses=accesses, metadata=metadata), dest, window, result)
+
+
+def vulpes_accesses(path: Path, origin: float, merge_gap: float = 0.001) -> list[Access]:
+    """The records of a vulpes trace (`read_trace`) timed from wall-clock ``origin`` instead of from its first
+    record, with each run of consecutive chunks of one image, op and source that follow each other within
+    ``merge_gap`` seconds merged into one access: vulpes writes a record per chunk of a request."""
+    trace = read_trace(path)
+    first = next((float(line.split()[0]) for line in path.read_text(errors="replace").splitlines()
+                  if line.strip() and not line.startswith("#")), origin)
+    shift = max(first - origin, 0.0)
+    merged: list[Access] = []
+    last = 0.0
+    for a in trace.accesses:
+        prev = merged[-1] if merged else None
+        if (prev is not None and (prev.image, prev.op, prev.source, prev.end) == (a.image, a.op, a.source, a.offset)
+                and a.time - last <= merge_gap):
+            merged[-1] = Access(prev.time, prev.offset, prev.length + a.length, a.op, a.image, a.source)
+        else:
+            merged.append(Access(round(a.time + shift, 6), a.offset, a.length, a.op, a.image, a.source))
+        last = a.time
+    return merged
 
 
 def command_line() -> str:

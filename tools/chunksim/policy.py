@@ -63,7 +63,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .cache import ChunkCache, ChunkKey, SizeResult, image_sizes
+from .cache import ChunkCache, ChunkKey, SizeResult
 from .errors import ModelError
 from .trace import WRITE, Trace
 
@@ -169,7 +169,7 @@ def timing(trace: Trace, params: PolicyParams) -> _Timing:
 
 
 def _cache(trace: Trace, params: PolicyParams) -> ChunkCache:
-    return ChunkCache(params.chunk_size, write_policy=params.write_policy, image_sizes=image_sizes(trace),
+    return ChunkCache(params.chunk_size, write_policy=params.write_policy, image_sizes=trace.image_sizes(),
                       data_ranges=trace.data_ranges() if params.zero_chunks else None, trace_name=trace.name)
 
 
@@ -185,7 +185,7 @@ def stored_disk_bytes(trace: Trace, chunk_size: int) -> int | None:
             keys.update((image, i) for i in range(start // chunk_size, (end - 1) // chunk_size + 1))
     for access in trace.writes():
         keys.update((access.image, i) for i in range(access.offset // chunk_size, (access.end - 1) // chunk_size + 1))
-    sizes = image_sizes(trace)
+    sizes = trace.image_sizes()
     total = 0
     for image, index in keys:
         limit = sizes.get(image)
@@ -218,7 +218,7 @@ def dirty_state(trace: Trace, params: PolicyParams) -> tuple[int, int, int]:
     to it; a chunk written again after a push is pushed again.
     """
     size = params.chunk_size
-    sizes = image_sizes(trace)
+    sizes = trace.image_sizes()
     end = trace.accesses[-1].time if trace.accesses else 0.0
     writes: dict[ChunkKey, list[float]] = {}
     for access in trace.accesses:

@@ -6,7 +6,9 @@ Two formats are read; which one a file holds is told by its first line.
 
     # workload: rsd                  <- optional metadata, "# key: value", before or between records
     # image_size: 1073741824         <- known keys: image_size (bytes of the image, for the last chunk),
-    # data_ranges: 0-4096 8192-65536    data_ranges (bytes holding data at the start: others are zero)
+    # data_ranges: 0-4096 8192-65536    data_ranges (bytes holding data at the start: others are zero);
+    # data_ranges.memory:               in a trace of several images, image_size.<image> and
+                                        data_ranges.<image> say the same per image
     time_s,offset,length,op,image    <- optional header; "image" is an optional fifth column
     0.000000,1024,1024,R,disk
     0.013462,8163328,4096,W,disk
@@ -88,22 +90,44 @@ class Trace:
 
     @property
     def image_size(self) -> int | None:
-        """The image's size in bytes, when the trace says (metadata ``image_size``)."""
+        """The image's size in bytes, when the trace says (metadata ``image_size``, for a single-image trace)."""
         value = self.metadata.get("image_size")
         return int(value) if value is not None and value.isdigit() else None
 
+    def image_sizes(self) -> dict[str, int]:
+        """Each image's size in bytes, where the trace says: metadata ``image_size`` (a single-image trace)
+        and ``image_size.<image>`` (any trace)."""
+        sizes: dict[str, int] = {}
+        images = self.images()
+        if self.image_size is not None and len(images) == 1:
+            sizes[images[0]] = self.image_size
+        for image, value in self._per_image("image_size"):
+            if value.isdigit():
+                sizes[image] = int(value)
+        return sizes
+
     def data_ranges(self) -> dict[str, list[tuple[int, int]]] | None:
-        """Which bytes of the image held data when the trace started, if the trace says (metadata
-        ``data_ranges``: space-separated ``start-end`` byte ranges, for a single-image trace).
+        """Which bytes of each image held data when the trace started, where the trace says: metadata
+        ``data_ranges`` (space-separated ``start-end`` byte ranges, for a single-image trace) and
+        ``data_ranges.<image>`` (any trace; empty: the image was all zero).
 
         ISR never stores an all-zero chunk (doc/parcel-format.md), so a chunk outside these ranges costs
-        no fetch. None when the trace does not say.
+        no fetch. An image the trace says nothing about is taken to be all data; None when it says nothing
+        about any.
         """
+        ranges: dict[str, list[tuple[int, int]]] = {}
         text = self.metadata.get("data_ranges")
         images = self.images()
-        if text is None or len(images) > 1:
-            return None
-        return {images[0] if images else DEFAULT_IMAGE: parse_ranges(text)}
+        if text is not None and len(images) <= 1:
+            ranges[images[0] if images else DEFAULT_IMAGE] = parse_ranges(text)
+        for image, value in self._per_image("data_ranges"):
+            ranges[image] = parse_ranges(value)
+        return ranges or None
+
+    def _per_image(self, key: str) -> list[tuple[str, str]]:
+        """(image, value) of every ``<key>.<image>`` metadata line."""
+        return [(name.split(".", 1)[1], value) for name, value in self.metadata.items()
+                if name.startswith(key + ".") and len(name) > len(key) + 1]
 
     def images(self) -> list[str]:
         return sorted({a.image for a in self.accesses})
@@ -240,13 +264,14 @@ def _parse_csv(path: Path, lines: list[tuple[int, str]]) -> Trace:
             raise TraceFormatError(path, "empty image name", number)
         accesses.append(Access(time, offset, length, op, image))
         last_time = time
-    if "image_size" in metadata and not metadata["image_size"].isdigit():
-        raise TraceFormatError(path, f"metadata image_size {metadata['image_size']!r} is not a whole number")
-    if "data_ranges" in metadata:
-        try:
-            parse_ranges(metadata["data_ranges"])
-        except ValueError as exc:
-            raise TraceFormatError(path, f"metadata data_ranges: {exc}") from None
+    for key, value in metadata.items():
+        if (key == "image_size" or key.startswith("image_size.")) and not value.isdigit():
+            raise TraceFormatError(path, f"metadata {key} {value!r} is not a whole number")
+        if key == "data_ranges" or key.startswith("data_ranges."):
+            try:
+                parse_ranges(value)
+            except ValueError as exc:
+                raise TraceFormatError(path, f"metadata {key}: {exc}") from None
     return Trace(name="", accesses=accesses, metadata=metadata, granularity=1, format="csv")
 
 
