@@ -39,13 +39,16 @@ class CalendarError(IsrError):
 
 @dataclass(frozen=True)
 class CalendarProblem:
-    """One event that could not be used, and why; the rest of its calendar still counts."""
+    """One event that could not be used, and why; the rest of its calendar still counts. Line 0 means a
+    whole calendar that could not be read (the other calendars still count)."""
 
     source: str
     line: int
     message: str
 
     def __str__(self) -> str:
+        if self.line <= 0:  # the whole calendar
+            return f"{self.source}: {self.message}"
         return f"{self.source} line {self.line}: {self.message}"
 
 

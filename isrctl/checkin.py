@@ -6,7 +6,8 @@ is asked which of the new objects it lacks (vulpes may have uploaded some alread
 writeback or its ``upload`` request), those are sent from the cache files, then the keyring streams, the
 device state and the manifest (version = base + 1, parent = base, working set, VM configuration with the
 QEMU version that saved the state) are sealed and staged, and the commit names every chunk the version
-references. The commit carries the lock nonce: a site whose lock was broken gets ``lock_lost`` and can
+references and, in plaintext, the tags of its working set (so that a site can hoard the working set
+without the parcel key; doc/protocol.md says what that reveals). The commit carries the lock nonce: a site whose lock was broken gets ``lock_lost`` and can
 never commit over newer state (`LockBroken`; its changes stay local).
 
 On success the local state becomes the new base. ``checkin`` releases the lock, ``sync`` keeps it.
@@ -27,7 +28,7 @@ from parcels.manifest import IMAGES, BlobInfo, ImageInfo, Manifest, Timestamps, 
 from parcels.parcel import ParcelKeys
 from parcels.store import KEYRING_FILES, MANIFEST
 
-from . import paths
+from . import paths, workingset
 from .checkout import Client, lock_broken_message
 from .errors import CheckinError, LockBroken, StateError
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState
@@ -203,12 +204,14 @@ def checkin(client: Client, state: ParcelState, parcel_keys: ParcelKeys, *, keep
             remote.put_blob(parcel, name, data, lock.nonce)
         inherit = [name for name in manifest.blobs if name != "devstate"]
         tags = [t.hex() for t in changes.all_tags]
+        working = workingset.tags(manifest.working_set,
+                                  {image: workingset.stream_records(changes.streams[image]) for image in IMAGES})
         try:
-            record = remote.commit(parcel, lock.nonce, base.version, list(sealed), tags, inherit)
+            record = remote.commit(parcel, lock.nonce, base.version, list(sealed), tags, inherit, working)
         except ChunksMissing as exc:
             log.info("server lacks %d chunks at commit: uploading them", len(exc.missing))
             upload_from_cache(client, exc.missing, reporter, label="uploading chunks the server lost")
-            record = remote.commit(parcel, lock.nonce, base.version, list(sealed), tags, inherit)
+            record = remote.commit(parcel, lock.nonce, base.version, list(sealed), tags, inherit, working)
     except LockLost:
         raise LockBroken(lock_broken_message(client, parcel, checkout.name)) from None
     except VersionConflict as exc:

@@ -8,12 +8,16 @@ vulpes fetches them on demand or hoards them.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import logging
+import os
 import socket
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from parcels import crypto
@@ -208,12 +212,20 @@ def boot_blobs(state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, 
     for name in names:
         info = manifest.blobs[name]
         path = state.blob_path(info.sha256.hex())
+        # A keyless hoard keeps what the server serves for this version; it counts once it opens here.
+        hoarded = state.version_blob_path(manifest.version, name)
         payload = None
-        if path.exists():
+        for candidate in (path, hoarded):
+            if not candidate.exists():
+                continue
             try:
-                payload = open_blob(parcel_keys.parcel_key, path.read_bytes(), manifest, name)
+                payload = open_blob(parcel_keys.parcel_key, candidate.read_bytes(), manifest, name)
             except ParcelError as exc:
-                log.warning("local copy of boot file %s is unusable (%s): fetching it again", name, exc)
+                log.warning("local copy %s of boot file %s is unusable (%s)", candidate, name, exc)
+                continue
+            if candidate != path:
+                link_file(candidate, path)
+            break
         if payload is None:
             if remote is None:
                 raise StateError(f"boot file {name} of version {manifest.version} is not at this site and the "
@@ -224,8 +236,27 @@ def boot_blobs(state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, 
             write_file(path, sealed)
             reporter.say(f"  fetched boot file {name}: {len(sealed) / 2**20:.1f} MiB sealed ({info.size / 2**20:.1f} MiB) "
                          f"in {time.monotonic() - started:.1f} s; kept at this site")
+        # Under the version's name too, so that a keyless hoard of a later version inheriting it finds it.
+        link_file(path, hoarded)
         out[name] = payload
     return out
+
+
+def link_file(source: Path, target: Path) -> None:
+    """Make ``target`` a hard link to ``source`` (replacing what was there atomically); a copy where the file
+    system has no hard links."""
+    try:
+        if target.exists() and os.path.samefile(source, target):
+            return
+        temporary = target.with_name(f".tmp-{target.name}-{os.getpid()}")
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+        os.link(source, temporary)
+        os.replace(temporary, target)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP):
+            raise
+        write_file(target, source.read_bytes())
 
 
 def lock_broken_message(client: Client | None, parcel: str, name: str = "") -> str:

@@ -33,15 +33,17 @@ from parcels.store import KEYRING_FILES, MANIFEST
 
 from . import checkin as checkinmod
 from . import config as configmod
+from . import hoard as hoardmod
 from . import keys as keymod
 from . import paths
 from . import policy as policymod
+from . import schedule as schedulemod
 from . import session as sessionmod
 from . import workingset
 from .checkout import Client, describe_holder, ensure_checkout, when
 from .errors import CredentialError, IsrError, LockBroken, LockRefused, StateError
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState, local_parcels
-from .progress import NullReporter, Reporter, TerminalReporter, human_bytes
+from .progress import LogReporter, NullReporter, Reporter, TerminalReporter, human_bytes
 from .remote import Remote, RemoteError, RemoteUnreachable, fetch_certificate, normalize_fingerprint
 from .vulpes import Vulpes, cache_object_path
 
@@ -61,6 +63,8 @@ A typical day:
   ...at home:
   isr hoard laptop             optional: fetch it ahead of time (t3), so the resume is instant
   isr resume laptop --policy proactive
+  ...or let your calendar say when, without the key (`isr schedule --help`):
+  isr site add --location "Lab 4"; isr schedule calendar add ~/work.ics; isr schedule run
 """
 
 EPILOG = """\
@@ -521,11 +525,22 @@ def cmd_discard(args: argparse.Namespace) -> int:
 
 def cmd_hoard(args: argparse.Namespace) -> int:
     reporter = _reporter(args)
+    keyless = args.no_key
+    if not keyless and not (args.passphrase_env or args.keyfile) and not sys.stdin.isatty():
+        reporter.say("no key given and no terminal to ask for one: hoarding without the key (--no-key)")
+        keyless = True
     with Client() as client:
         parcel, state = _server_state(client, args.parcel)
         if state.busy():
             raise StateError(f"{parcel['name']} is running at this site: a running session fetches what it needs "
                              f"(resume with --policy lazy-ws to hoard in the background)")
+        if keyless:
+            result = hoardmod.hoard(client, parcel, "working-set" if args.working_set else "full", reporter)
+            _note_throughput(result.bytes, result.seconds)
+            reporter.say(f"hoarded {parcel['name']} version {result.need.version}: {result.chunks} chunks and "
+                         f"{len(result.need.blobs)} boot files fetched ({human_bytes(result.bytes)} in "
+                         f"{result.seconds:.1f} s); {result.need.chunk_count} chunks are now here")
+            return 0
         with state.locked():
             parcel_keys = client.unlock(parcel["id"], _credential(args, parcel["name"]), state)
             checkout = state.checkout()
@@ -598,6 +613,192 @@ def _hoard(state_dir: Path, state: ParcelState, parcel_keys: Any, client: Client
             raise IsrError(f"{hoard['chunks_failed']} chunks could not be hoarded (see {daemon.log_path})")
     finally:
         daemon.stop()
+
+
+def _note_throughput(nbytes: int, seconds: float) -> None:
+    """A hoard's transfer rate also informs the hoard scheduler's plans."""
+    path = paths.schedule_state_file()
+    state = schedulemod.RunnerState.load(path)
+    state.add_sample(nbytes, seconds)
+    state.save(path)
+
+
+# --- site rules and hoard scheduling ---------------------------------------------------------------------
+
+def _schedule_config() -> schedulemod.ScheduleConfig:
+    return schedulemod.ScheduleConfig.load(paths.schedule_file())
+
+
+def _save_schedule(config: schedulemod.ScheduleConfig, done: str) -> None:
+    config.save(paths.schedule_file())
+    print(done)
+
+
+def _rule_from_args(args: argparse.Namespace) -> schedulemod.SiteRule | None:
+    for kind in schedulemod.RULE_KINDS:
+        value = getattr(args, kind, None)
+        if value is not None:
+            return schedulemod.SiteRule(kind, value)
+    return None
+
+
+def cmd_site_add(args: argparse.Namespace) -> int:
+    config = _schedule_config()
+    rule = _rule_from_args(args)
+    assert rule is not None  # argparse requires one
+    if rule in config.rules:
+        print(f"this PC already has the rule {rule}")
+        return 0
+    config.rules.append(rule)
+    _save_schedule(config, f"added rule {len(config.rules)}: events with {rule} mean you will be at this PC")
+    if not config.calendars:
+        print("no calendars yet: add one with `isr schedule calendar add FILE|URL`")
+    return 0
+
+
+def cmd_site_rm(args: argparse.Namespace) -> int:
+    config = _schedule_config()
+    rule = _rule_from_args(args)
+    if rule is None:
+        if args.number is None or not 1 <= args.number <= len(config.rules):
+            raise schedulemod.ScheduleError(f"name the rule to remove by its number (1 to {len(config.rules)}, see "
+                                            f"`isr site ls`) or as it was added (--location, --category, --summary)")
+        rule = config.rules[args.number - 1]
+    elif rule not in config.rules:
+        raise schedulemod.ScheduleError(f"there is no rule {rule} (`isr site ls` lists them)")
+    config.rules.remove(rule)
+    _save_schedule(config, f"removed the rule {rule}")
+    return 0
+
+
+def cmd_site_ls(args: argparse.Namespace) -> int:
+    config = _schedule_config()
+    if not config.rules:
+        print("no site rules: `isr site add --location TEXT` (or --category NAME, --summary REGEX) tells isr which "
+              "calendar events mean you will be at this PC")
+        return 0
+    for number, rule in enumerate(config.rules, start=1):
+        print(f"{number}  {rule.kind:<9} {rule.pattern}")
+    return 0
+
+
+def cmd_calendar_add(args: argparse.Namespace) -> int:
+    config = _schedule_config()
+    source = args.source if "://" in args.source else str(Path(args.source).absolute())
+    if source in config.calendars:
+        print(f"{source} is already a calendar of this PC")
+        return 0
+    if not args.no_check:
+        read = schedulemod.read_calendar(config, source, schedulemod.utc_now())
+        for problem in read.problems:
+            print(f"warning: {problem}", file=sys.stderr)
+        print(f"{source}: {len(read.occurrences)} events in the next {config.horizon_days:g} days, "
+              f"{sum(1 for o in read.occurrences if config.matches(o))} of them at this PC")
+    config.calendars.append(source)
+    _save_schedule(config, f"added calendar {source}")
+    return 0
+
+
+def cmd_calendar_rm(args: argparse.Namespace) -> int:
+    config = _schedule_config()
+    source = args.source
+    if source not in config.calendars:
+        source = str(Path(args.source).absolute())
+    if source not in config.calendars:
+        raise schedulemod.ScheduleError(f"{args.source} is not a calendar of this PC (`isr schedule calendar ls`)")
+    config.calendars.remove(source)
+    _save_schedule(config, f"removed calendar {source}")
+    return 0
+
+
+def cmd_calendar_ls(args: argparse.Namespace) -> int:
+    config = _schedule_config()
+    if not config.calendars:
+        print("no calendars: `isr schedule calendar add FILE|https://URL`")
+    for source in config.calendars:
+        print(source)
+    return 0
+
+
+def cmd_schedule_set(args: argparse.Namespace) -> int:
+    config = _schedule_config()
+    if args.name is None:
+        for name, value in dataclasses.asdict(config).items():
+            if name not in ("rules", "calendars"):
+                print(f"{name} = {value!r}")
+        return 0
+    if args.value is None:
+        raise schedulemod.ScheduleError(f"give a value: `isr schedule set {args.name} VALUE`")
+    config.set(args.name, args.value)
+    _save_schedule(config, f"{args.name} = {getattr(config, args.name)!r}")
+    return 0
+
+
+def _schedule_parcels(config: schedulemod.ScheduleConfig, inventory: hoardmod.ServerInventory) -> list[str]:
+    return list(config.parcels) or [p["name"] for p in inventory.parcels() if p.get("current_version")]
+
+
+def cmd_schedule_show(args: argparse.Namespace) -> int:
+    config = _schedule_config()
+    if args.days is not None:
+        config.horizon_days = args.days
+        config.validate()
+    state = schedulemod.RunnerState.load(paths.schedule_state_file())
+    now = schedulemod.utc_now()
+    read = schedulemod.read_calendars(config, now)
+    with Client() as client:
+        inventory = hoardmod.ServerInventory(client)
+        plans = schedulemod.plan(read.occurrences, _schedule_parcels(config, inventory), inventory, config,
+                                 state.throughput(), now)
+    if args.json:
+        print(json.dumps({"plans": [schedulemod.plan_json(p) for p in plans],
+                          "problems": [str(p) for p in read.problems], "history": state.history}, indent=1))
+        return 0
+    if not config.rules:
+        print("no site rules yet: `isr site add --location TEXT` says which events mean you will be here")
+    if not config.calendars:
+        print("no calendars yet: `isr schedule calendar add FILE|https://URL`")
+    print(schedulemod.format_plan(plans, config.zone(), read.problems))
+    for done in state.history[-3:]:
+        print(schedulemod.format_history(done, config.zone()))
+    return 0
+
+
+def cmd_schedule_run(args: argparse.Namespace) -> int:
+    import signal
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logging.getLogger().handlers[:] = [handler]
+    logging.getLogger("isrctl").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    schedulemod.ScheduleConfig.load(paths.schedule_file())  # a broken file is reported before anything starts
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(schedulemod.single_runner(paths.schedule_state_file()))
+        client = stack.enter_context(Client())
+        inventory = hoardmod.ServerInventory(client)
+        hoarder = hoardmod.KeylessHoarder(client, inventory, LogReporter(logging.getLogger("isrctl.hoard")))
+        runner = schedulemod.Runner(
+            paths.schedule_file(), paths.schedule_state_file(),
+            parcels=lambda config: _schedule_parcels(config, inventory), inventory=inventory, hoarder=hoarder,
+            replan_s=args.replan, watch_s=args.watch,
+            watch=lambda config: inventory.versions(_schedule_parcels(config, inventory)))
+        if args.once:
+            config = _schedule_config()
+            plans, _ = runner.step()
+            print(schedulemod.format_plan(plans, config.zone()))
+            return 0
+
+        def stop(signum: int, frame: Any) -> None:
+            log.info("got signal %d: stopping", signum)
+            runner.stop()
+
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, stop)
+        log.info("isr schedule run: site %s, schedule %s, state %s", client.config.site, paths.schedule_file(),
+                 paths.schedule_state_file())
+        runner.run()
+        log.info("stopped")
+    return 0
 
 
 # --- lock, clean, rollback, passwd ------------------------------------------------------------------------
@@ -707,9 +908,11 @@ def _rollback(client: Client, parcel: dict[str, Any], parcel_keys: Any, nonce: s
     _, now = client.fetch_manifest(parcel["id"], current, parcel_keys)
     tags: set[str] = set()
     staged: dict[str, bytes] = {}
+    records = {}
     for image in IMAGES:
         sealed = remote.get_blob(parcel["id"], target, KEYRING_FILES[image])
-        tags.update(r.tag.hex() for r in open_keyring(parcel_keys.parcel_key, sealed, old, image))
+        records[image] = open_keyring(parcel_keys.parcel_key, sealed, old, image)
+        tags.update(r.tag.hex() for r in records[image])
         staged[KEYRING_FILES[image]] = sealed
     inherit = []
     for name, info in old.blobs.items():
@@ -723,7 +926,8 @@ def _rollback(client: Client, parcel: dict[str, Any], parcel_keys: Any, nonce: s
     staged[MANIFEST] = seal_manifest(parcel_keys.parcel_key, manifest)
     for name, data in staged.items():
         remote.put_blob(parcel["id"], name, data, nonce)
-    record = remote.commit(parcel["id"], nonce, current, list(staged), sorted(tags), inherit)
+    record = remote.commit(parcel["id"], nonce, current, list(staged), sorted(tags), inherit,
+                           workingset.tags(old.working_set, records))
     return int(record["version"])
 
 
@@ -852,10 +1056,100 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("hoard", cmd_hoard, "fetch a parcel's chunks into this site's cache ahead of time",
             "Fetch the current version (everything, or with --working-set the chunks its last session touched\n"
             "first) into this site's cache, so that a later resume with --policy proactive or eager-ws is fast.\n"
-            "Needs no lock: the parcel may be running elsewhere (t3 of the ISR timeline).")
+            "Needs no lock: the parcel may be running elsewhere (t3 of the ISR timeline).\n"
+            "\n"
+            "With --no-key (or with no key given and no terminal to ask for one) it needs no key either: the\n"
+            "server lists the version's chunks and working set, and the ciphertext is fetched and checked\n"
+            "against its tags; the boot files are kept sealed and checked by the next resume.")
     p.add_argument("parcel", help="parcel name or UUID")
     p.add_argument("--working-set", action="store_true", help="only the working set recorded at the last suspend")
+    p.add_argument("--no-key", action="store_true",
+                   help="hoard without the parcel key (what `isr schedule run` does)")
     credentials(p)
+
+    def rule_options(p: argparse.ArgumentParser, required: bool) -> None:
+        group = p.add_mutually_exclusive_group(required=required)
+        group.add_argument("--location", metavar="TEXT", help="events whose LOCATION contains TEXT (any case)")
+        group.add_argument("--category", metavar="NAME", help="events with the CATEGORY NAME (any case)")
+        group.add_argument("--summary", metavar="REGEX", help="events whose title (SUMMARY) matches REGEX (any case)")
+
+    p = cmd("site", cmd_site_ls, "which calendar events mean you will be at this PC (site rules)",
+            "Site rules tell `isr schedule` which calendar events mean you will be at this PC: by the event's\n"
+            "LOCATION, one of its CATEGORIES, or a pattern in its title. Any rule matching is enough.\n"
+            "\n"
+            "  isr site add --location \"Lab 4\"     meetings in Lab 4 happen at this PC\n"
+            "  isr site add --summary '^Office day'\n"
+            "  isr site ls\n"
+            "  isr site rm 2")
+    site_sub = p.add_subparsers(dest="site_command", metavar="ACTION")
+    q = site_sub.add_parser("add", help="add a rule", description="Add a site rule (one of the options).")
+    q.set_defaults(func=cmd_site_add)
+    rule_options(q, required=True)
+    q = site_sub.add_parser("rm", help="remove a rule", description="Remove a site rule by its number in "
+                                                                    "`isr site ls`, or as it was added.")
+    q.set_defaults(func=cmd_site_rm)
+    q.add_argument("number", nargs="?", type=int, help="the rule's number in `isr site ls`")
+    rule_options(q, required=False)
+    q = site_sub.add_parser("ls", help="list the rules")
+    q.set_defaults(func=cmd_site_ls)
+
+    p = cmd("schedule", cmd_schedule_show, "hoard before your calendar says you will be at this PC",
+            "Plan hoards from calendars: for each upcoming event that a site rule (`isr site`) places at this\n"
+            "PC, start hoarding the parcel's newest version early enough to finish before the event starts:\n"
+            "bytes missing here / measured throughput x (1 + margin) + overhead, ending lead_s before it.\n"
+            "Hoards need no key (see `isr hoard --no-key`).\n"
+            "\n"
+            "  isr schedule calendar add ~/work.ics     a file, or an https:// URL (e.g. a published calendar)\n"
+            "  isr schedule show                        the plan for the next days\n"
+            "  isr schedule run                         do it: in the foreground, or as a service\n"
+            "                                           (contrib/systemd/isr-schedule.service, doc/isrctl.md)\n"
+            "  isr schedule set mode working-set        settings: `isr schedule set` lists them")
+    schedule_sub = p.add_subparsers(dest="schedule_command", metavar="ACTION")
+    q = schedule_sub.add_parser("calendar", help="add, remove or list calendars",
+                                description="The calendars (iCalendar files or https URLs) that `isr schedule` reads.")
+    q.set_defaults(func=cmd_calendar_ls)
+    calendar_sub = q.add_subparsers(dest="calendar_command", metavar="ACTION")
+    r = calendar_sub.add_parser("add", help="add a calendar file or https URL",
+                                description="Add an iCalendar file (stored as an absolute path) or https URL; it is "
+                                            "read once now to check it.")
+    r.set_defaults(func=cmd_calendar_add)
+    r.add_argument("source", help="a .ics file or an https:// URL")
+    r.add_argument("--no-check", action="store_true", help="add it without reading it now")
+    r = calendar_sub.add_parser("rm", help="remove a calendar")
+    r.set_defaults(func=cmd_calendar_rm)
+    r.add_argument("source", help="as `isr schedule calendar ls` shows it")
+    r = calendar_sub.add_parser("ls", help="list the calendars")
+    r.set_defaults(func=cmd_calendar_ls)
+    q = schedule_sub.add_parser("set", help="show or change a setting",
+                                description="Without arguments, list the settings; with NAME VALUE, change one.\n"
+                                            "mode (full or working-set), margin (0.5 = +50 %), overhead_s, lead_s,\n"
+                                            "horizon_days, assumed_bytes_per_s (until a hoard is measured),\n"
+                                            "allday_start (08:00), timezone (default: this machine's), parcels\n"
+                                            "(comma-separated; empty: all of yours), site (a label).",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.set_defaults(func=cmd_schedule_set)
+    q.add_argument("name", nargs="?", help="the setting")
+    q.add_argument("value", nargs="?", help="its new value")
+    q = schedule_sub.add_parser("show", help="print the plan: events here, bytes missing, when each hoard starts",
+                                description="The plan for the next days: each event at this PC, where and when, the "
+                                            "bytes still missing here, when the hoard starts and is expected to "
+                                            "finish, and a warning where there is not enough time.")
+    q.set_defaults(func=cmd_schedule_show)
+    q.add_argument("--days", type=float, metavar="N", help="look N days ahead (default: horizon_days, 7)")
+    q.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(days=None, json=False)
+    q = schedule_sub.add_parser("run", help="hoard as planned until stopped (foreground or service)",
+                                description="Sleep until the next planned hoard start, hoard without the key (progress "
+                                            "in the log, on stderr), plan again when a calendar or the schedule "
+                                            "changes, a new version is checked in, or every --replan seconds. What "
+                                            "was hoarded and the measured throughput survive restarts. SIGTERM or "
+                                            "Ctrl-C stops it cleanly.")
+    q.set_defaults(func=cmd_schedule_run)
+    q.add_argument("--once", action="store_true", help="plan, run the hoards due now, print the plan and exit")
+    q.add_argument("--replan", type=float, default=300.0, metavar="SECONDS",
+                   help="plan again at least this often (default 300)")
+    q.add_argument("--watch", type=float, default=30.0, metavar="SECONDS",
+                   help="look for changed calendars and new versions this often (default 30)")
 
     p = cmd("stat", cmd_stat, "show local state: version, lock, dirty chunks, cache, hoard, memory image")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: all with local state)")

@@ -90,6 +90,10 @@ class VulpesFailure(IsrError):
     """vulpes did not start, did not answer on its control socket, refused a request or exited badly."""
 
 
+class HoardStopped(IsrError):
+    """A hoard was asked to stop (`isr schedule run` got SIGTERM); what it fetched so far is kept."""
+
+
 class SessionError(IsrError):
     """The resume session failed, or could not be reached over its control socket."""
 

@@ -13,6 +13,8 @@ own files::
     base/keyring.memory.stream       found by comparing the local keyrings with these)
     local/devstate                 the sealed device state of a local suspend not yet checked in
     blobs/<sha256>                 sealed boot files (kernel, initrd) by payload digest, kept across versions
+    blobs/v<N>.<name>              the same files as version N names them (hard links), and those a keyless
+                                     hoard fetched, which the next resume verifies against the manifest
     traces/                        vulpes access traces, one per session (the working-set estimate)
     session.json                   the running session: pid and sockets
     vulpes.log, session.log, qemu  logs
@@ -283,6 +285,12 @@ class ParcelState:
 
     def blob_path(self, sha256_hex: str) -> Path:
         return self.dir / "blobs" / sha256_hex
+
+    def version_blob_path(self, version: int, name: str) -> Path:
+        """A sealed blob as the server serves it for ``version``, kept by a keyless hoard (which cannot open
+        the manifest to learn its digest); the next resume checks it against the manifest and files it
+        under `blob_path`."""
+        return self.dir / "blobs" / f"v{version}.{name}"
 
     def trace_dir(self) -> Path:
         return self.dir / "traces"

@@ -3,7 +3,10 @@
 Layout (``$XDG_*`` with the usual defaults)::
 
     ${XDG_CONFIG_HOME:-~/.config}/isr/config.toml         server URL, user, pinned certificate, site
+    ${XDG_CONFIG_HOME:-~/.config}/isr/schedule.toml       site rules, calendars, hoard scheduling settings
     ${XDG_DATA_HOME:-~/.local/share}/isr/token            bearer token (mode 0600)
+    ${XDG_DATA_HOME:-~/.local/share}/isr/schedule-state.json   hoards done, measured throughput
+    ${XDG_DATA_HOME:-~/.local/share}/isr/hoard.log        vulpes-fetch's messages (keyless hoards)
     ${XDG_DATA_HOME:-~/.local/share}/isr/parcels/<uuid>/  per-parcel state (vulpes --state, checkout.json, ...)
     ${XDG_CACHE_HOME:-~/.cache}/isr/chunks/               chunk cache shared by all parcels (vulpes --cache)
     ${XDG_RUNTIME_DIR:-/tmp}/isr-<uid>/<uuid8>/           sockets and the mountpoint of a running session
@@ -38,6 +41,11 @@ def config_file() -> Path:
     return config_dir() / "config.toml"
 
 
+def schedule_file() -> Path:
+    """Hoard scheduling: site rules, calendars, settings (`isr site`, `isr schedule`)."""
+    return config_dir() / "schedule.toml"
+
+
 def data_dir() -> Path:
     """``${XDG_DATA_HOME:-~/.local/share}/isr``."""
     return _xdg("XDG_DATA_HOME", Path.home() / ".local" / "share") / "isr"
@@ -46,6 +54,11 @@ def data_dir() -> Path:
 def token_file() -> Path:
     """The bearer token from `isr login` (mode 0600)."""
     return data_dir() / "token"
+
+
+def schedule_state_file() -> Path:
+    """What `isr schedule run` remembers across restarts: hoards done, throughput measured."""
+    return data_dir() / "schedule-state.json"
 
 
 def parcels_dir() -> Path:

@@ -4,6 +4,7 @@ Every long step reports through a `Reporter`:
 
 - `TerminalReporter` prints messages on stdout and draws bars on stderr (only when stderr is a terminal;
   otherwise each bar becomes a single summary line when it ends, so logs and tests stay readable).
+- `LogReporter` writes both to a logger, a bar as a line every few seconds (a service's log).
 - `JsonReporter` turns the same calls into JSON lines for another process (a detached session reports to
   the `isr resume` that started it; a session reports a suspend to the `isr suspend` that asked), and
   `replay` feeds such lines into a local reporter, where they are drawn as if they were local.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import sys
 import threading
 import time
@@ -145,6 +147,29 @@ class TerminalReporter:
             self.err.write("\r\033[K")
             self.err.flush()
             self._bar_shown = False
+
+
+class LogReporter(TerminalReporter):
+    """Messages and progress as log records, for a service's log (`isr schedule run`): a bar becomes a
+    line every ``every`` seconds and its summary when it ends."""
+
+    def __init__(self, logger: logging.Logger, every: float = 10.0) -> None:
+        super().__init__(interactive=True)
+        self.logger = logger
+        self.every = every
+        self._logged = 0.0
+
+    def say(self, text: str) -> None:
+        self.logger.info("%s", text.strip())
+
+    def draw(self, line: str) -> None:
+        now = time.monotonic()
+        if now - self._logged >= self.every:
+            self._logged = now
+            self.logger.info("%s", line)
+
+    def end_bar(self, summary: str) -> None:
+        self.logger.info("%s", summary)
 
 
 class NullReporter:

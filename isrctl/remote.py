@@ -277,11 +277,29 @@ class Remote:
         return reply
 
     def commit(self, parcel: str, nonce: str, parent: int, blobs: Sequence[str], tags: Iterable[str],
-               inherit: Sequence[str] = ()) -> dict[str, Any]:
+               inherit: Sequence[str] = (), working_tags: Sequence[str] | None = None) -> dict[str, Any]:
         """Commit version parent+1 from the staged `blobs` (plus `inherit`ed ones from the parent),
-        referencing the chunk `tags`."""
-        body = {"parent": parent, "blobs": list(blobs), "inherit": list(inherit), "tags": list(tags)}
+        referencing the chunk `tags`; `working_tags` (first touch first) lets sites hoard the working set
+        without the parcel key."""
+        body: dict[str, Any] = {"parent": parent, "blobs": list(blobs), "inherit": list(inherit), "tags": list(tags)}
+        if working_tags is not None:
+            body["working_tags"] = list(working_tags)
         return self._json("POST", f"/v1/parcels/{parcel}/versions", json_body=body, nonce=nonce)
+
+    def version_chunks(self, parcel: str, version: int, which: str = "all") -> tuple[bool, list[tuple[str, int]]]:
+        """A version's chunk objects as (tag, stored size) pairs, fetched page by page: every one
+        (``which="all"``) or its working set (``"working"``, in first-touch order). Returns whether the set
+        was recorded (a version committed without a working set has none) and the pairs; a size the server
+        does not know counts as 0."""
+        chunks: list[tuple[str, int]] = []
+        offset: int | None = 0
+        recorded = True
+        while offset is not None:
+            page = self._json("GET", f"/v1/parcels/{parcel}/versions/{version}/chunks?set={which}&offset={offset}")
+            recorded = bool(page["recorded"])
+            chunks += [(c["tag"], int(c["size"] or 0)) for c in page["chunks"]]
+            offset = page["next"]
+        return recorded, chunks
 
     # --- the lock ---------------------------------------------------------------------------------
 

@@ -14,19 +14,24 @@ the user arrives. This module turns calendars into hoard start times:
 For one parcel only its earliest upcoming matching event gets a hoard: once that is done, later events need
 only what changed since, and the runner re-plans whenever a calendar or the parcel's newest version
 changes. `Runner` keeps its state (done hoards, throughput samples) in a JSON file, so it survives restarts.
+The `Inventory` and `Hoarder` it uses in `isr schedule run` are `hoard.ServerInventory` and
+`hoard.KeylessHoarder`: no parcel key is needed. doc/isrctl.md, "Hoard scheduling", is the user's view.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import contextlib
+import fcntl
 import json
 import logging
+import math
 import os
 import re
-import tempfile
+import threading
 import time
 import tomllib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,7 +40,9 @@ from zoneinfo import ZoneInfo
 import tomli_w
 
 from . import calendar as ical
-from .errors import IsrError
+from .config import write_private
+from .errors import HoardStopped, IsrError
+from .progress import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +155,31 @@ class ScheduleConfig:
         self.validate()
         data = dataclasses.asdict(self)
         data["rules"] = [{"kind": r.kind, "pattern": r.pattern} for r in self.rules]
-        _atomic_write(path, tomli_w.dumps(data).encode())
+        write_private(path, tomli_w.dumps(data).encode())
 
     def matches(self, event: ical.Occurrence) -> bool:
         return any(rule.matches(event) for rule in self.rules)
+
+    def set(self, name: str, text: str) -> None:
+        """Change one setting from its text, as `isr schedule set NAME VALUE` gives it (a list: comma-separated).
+        Raises ScheduleError naming what to change."""
+        settable = [f.name for f in dataclasses.fields(self) if f.name not in ("rules", "calendars")]
+        if name not in settable:
+            raise ScheduleError(f"unknown setting {name!r}: use one of {', '.join(settable)} (rules: `isr site`, "
+                                f"calendars: `isr schedule calendar`)")
+        current = getattr(type(self)(), name)  # the default shows the type (a hand-edited file may hold 60)
+        value: Any = text
+        if isinstance(current, list):
+            value = [item.strip() for item in text.split(",") if item.strip()]
+        elif isinstance(current, float):
+            try:
+                value = float(text)
+            except ValueError:
+                value = math.nan
+            if not math.isfinite(value):
+                raise ScheduleError(f"{name} must be a number, not {text!r}")
+        setattr(self, name, value)
+        self.validate()
 
 
 class Inventory(Protocol):
@@ -178,6 +206,10 @@ class PlannedHoard:
     @property
     def late_by_s(self) -> float:
         return max(0.0, (self.finish - self.event.start).total_seconds())
+
+
+def utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
 
 
 def hoard_duration(missing_bytes: int, throughput: float, config: ScheduleConfig) -> float:
@@ -224,13 +256,23 @@ def plan(events: Iterable[ical.Occurrence], parcels: Sequence[str], inventory: I
     return plans
 
 
+def read_calendar(config: ScheduleConfig, source: str, now: dt.datetime) -> ical.CalendarRead:
+    """The occurrences of one calendar in the planning horizon. Raises CalendarError if it cannot be read."""
+    return ical.occurrences(ical.read_source(source), source, now, now + dt.timedelta(days=config.horizon_days),
+                            local=config.zone(), allday_start=config.allday_time())
+
+
 def read_calendars(config: ScheduleConfig, now: dt.datetime) -> ical.CalendarRead:
-    """All occurrences in the planning horizon from every configured calendar; problems collected."""
-    end = now + dt.timedelta(days=config.horizon_days)
+    """All occurrences in the planning horizon from every configured calendar; problems (broken events,
+    calendars that cannot be read) collected, never raised."""
     result = ical.CalendarRead([], [])
     for source in config.calendars:
-        read = ical.occurrences(ical.read_source(source), source, now, end, local=config.zone(),
-                                allday_start=config.allday_time())
+        try:
+            read = read_calendar(config, source, now)
+        except ical.CalendarError as exc:
+            # One calendar that is away (a URL down, a file moved) must not cost the others.
+            result.problems.append(ical.CalendarProblem(source, 0, f"not read: {exc}"))
+            continue
         result.occurrences.extend(read.occurrences)
         result.problems.extend(read.problems)
     result.occurrences.sort(key=lambda o: o.start)
@@ -244,19 +286,28 @@ SAMPLE_MAX_AGE_S = 30 * 86400
 SAMPLES_KEPT = 8
 
 
+HISTORY_KEPT = 20
+#: "Done" marks of events that started longer ago than this are forgotten.
+DONE_MAX_AGE_S = 2 * 86400
+
+
 @dataclass
 class RunnerState:
     """Survives restarts of `isr schedule run`: finished hoards and measured throughput."""
 
     done: dict[str, int] = field(default_factory=dict)  # "<parcel>|<occurrence key>" -> version hoarded
     samples: list[tuple[float, int, float]] = field(default_factory=list)  # (unix time, bytes, seconds)
+    #: The last hoards, newest last: parcel, version, event, event_start, started, finished (Unix times),
+    #: bytes, seconds.
+    history: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def load(cls, path: Path) -> RunnerState:
         try:
             data = json.loads(path.read_text())
             return cls(done={str(k): int(v) for k, v in data.get("done", {}).items()},
-                       samples=[(float(t), int(b), float(s)) for t, b, s in data.get("samples", [])])
+                       samples=[(float(t), int(b), float(s)) for t, b, s in data.get("samples", [])],
+                       history=[dict(h) for h in data.get("history", [])][-HISTORY_KEPT:])
         except FileNotFoundError:
             return cls()
         except (OSError, ValueError, TypeError) as exc:
@@ -265,7 +316,8 @@ class RunnerState:
             return cls()
 
     def save(self, path: Path) -> None:
-        _atomic_write(path, json.dumps({"done": self.done, "samples": self.samples}, indent=1).encode())
+        write_private(path, json.dumps({"done": self.done, "samples": self.samples, "history": self.history},
+                                       indent=1).encode())
 
     def add_sample(self, nbytes: int, seconds: float, when: float | None = None) -> None:
         # Tiny hoards measure latency, not throughput: only samples of at least 1 MiB count.
@@ -287,40 +339,25 @@ class RunnerState:
     def mark_done(self, hoard: PlannedHoard) -> None:
         self.done[f"{hoard.parcel}|{hoard.event.key}"] = hoard.version
 
+    def record(self, hoard: PlannedHoard, started: float, nbytes: int, seconds: float) -> None:
+        """Remember a finished hoard (shown by `isr schedule show`)."""
+        self.history.append({"parcel": hoard.parcel, "version": hoard.version, "event": hoard.event.summary,
+                             "event_start": hoard.event.start.timestamp(), "started": started,
+                             "finished": time.time(), "bytes": nbytes, "seconds": seconds})
+        self.history = self.history[-HISTORY_KEPT:]
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with _suppress_oserror():
-            os.unlink(tmp)
-        raise
-
-
-class _suppress_oserror:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        return exc_type is not None and issubclass(exc_type, OSError)
+    def forget_past(self, now: dt.datetime) -> None:
+        """Drop the done marks of events long past (an occurrence key ends with its UTC start)."""
+        def start(key: str) -> dt.datetime | None:
+            try:
+                return dt.datetime.strptime(key.rpartition("@")[2], "%Y%m%dT%H%M%SZ").replace(tzinfo=dt.timezone.utc)
+            except ValueError:
+                return None
+        self.done = {k: v for k, v in self.done.items()
+                     if (when := start(k)) is None or (now - when).total_seconds() < DONE_MAX_AGE_S}
 
 
 # --- presentation -------------------------------------------------------------------------------------
-
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1000 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{n} B"
-
 
 def format_plan(plans: Sequence[PlannedHoard], zone: ZoneInfo, problems: Sequence[ical.CalendarProblem] = ()
                 ) -> str:
@@ -334,10 +371,10 @@ def format_plan(plans: Sequence[PlannedHoard], zone: ZoneInfo, problems: Sequenc
         place = p.event.location or ", ".join(p.event.categories) or "-"
         if p.status in ("ready", "covered"):
             rows.append((p.event.summary or p.event.uid, place, when(p.event.start), p.parcel,
-                         _human_bytes(p.missing_bytes), "-", "-", p.status))
+                         human_bytes(p.missing_bytes), "-", "-", p.status))
         else:
             rows.append((p.event.summary or p.event.uid, place, when(p.event.start), p.parcel,
-                         _human_bytes(p.missing_bytes), when(p.start), when(p.finish), p.status))
+                         human_bytes(p.missing_bytes), when(p.start), when(p.finish), p.status))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     if len(rows) == 1:
@@ -355,20 +392,76 @@ def format_plan(plans: Sequence[PlannedHoard], zone: ZoneInfo, problems: Sequenc
     return "\n".join(lines)
 
 
+def plan_json(p: PlannedHoard) -> dict[str, Any]:
+    """One planned hoard for `isr schedule show --json` (times as ISO 8601 in UTC)."""
+    return {"event": p.event.summary, "uid": p.event.uid, "location": p.event.location,
+            "categories": list(p.event.categories), "event_start": p.event.start.isoformat(), "parcel": p.parcel,
+            "version": p.version, "missing_bytes": p.missing_bytes, "throughput": p.throughput,
+            "throughput_measured": p.throughput_measured, "duration_s": p.duration_s,
+            "hoard_start": p.start.isoformat(), "expected_finish": p.finish.isoformat(), "status": p.status}
+
+
+def format_history(done: dict[str, Any], zone: ZoneInfo) -> str:
+    """One line about a finished hoard from `RunnerState.history`."""
+    finished = dt.datetime.fromtimestamp(float(done["finished"]), zone)
+    ahead = float(done["event_start"]) - float(done["finished"])
+    timing = (f"{ahead / 60:.0f} min before it started" if ahead >= 0 else f"{-ahead / 60:.0f} min after it started")
+    return (f"hoarded {done['parcel']} version {done['version']} for {done['event']!r}: "
+            f"{human_bytes(int(done['bytes']))} in {float(done['seconds']):.1f} s, done "
+            f"{finished.strftime('%a %d %b %H:%M')}, {timing}")
+
+
 # --- the runner -----------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def single_runner(state_path: Path) -> Iterator[None]:
+    """Hold the lock that lets one `isr schedule run` at a time work for this user (next to its state).
+    Raises ScheduleError if another holds it."""
+    lock_path = state_path.with_name(state_path.name + ".lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise ScheduleError(f"another `isr schedule run` is running here (pid {f.read().strip() or '?'}): "
+                                f"stop it first (systemctl --user stop isr-schedule)") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
+
 
 class Hoarder(Protocol):
     def hoard(self, parcel: str, mode: str) -> tuple[int, float]:
         """Hoard the parcel's newest version (or its working set); returns (bytes fetched, seconds)."""
+
+    def stop(self) -> None:
+        """End a running hoard early (from another thread); later hoards raise HoardStopped."""
+
+
+def file_fingerprint(config_path: Path, config: ScheduleConfig) -> tuple[Any, ...]:
+    """What changes when the schedule configuration or a calendar file is edited (URLs are re-read at
+    every re-plan instead)."""
+    marks: list[Any] = []
+    for path in (config_path, *(Path(c) for c in config.calendars if "://" not in c)):
+        try:
+            st = path.stat()
+            marks.append((str(path), st.st_mtime_ns, st.st_size))
+        except OSError:
+            marks.append((str(path), None))
+    return tuple(marks)
 
 
 @dataclass
 class Runner:
     """`isr schedule run`: sleep until the next planned start, hoard, re-plan; survives restarts.
 
-    ``parcels`` lists the parcels to consider, ``clock`` and ``sleep`` are injectable for tests of the
-    loop's logic (the real ones are used otherwise), ``replan_s`` bounds how long it sleeps without
-    looking at the calendars and the server again.
+    ``parcels`` lists the parcels to consider. ``watch`` returns something that changes when a re-plan is
+    due early (a calendar file edited, a new version checked in); `run` polls it every ``watch_s`` seconds
+    while it waits. ``replan_s`` bounds how long it waits without looking at the calendars and the server
+    again. ``clock`` is injectable for tests of the loop's logic.
     """
 
     config_path: Path
@@ -377,29 +470,44 @@ class Runner:
     inventory: Inventory
     hoarder: Hoarder
     replan_s: float = 300.0
-    clock: Callable[[], dt.datetime] = field(default=lambda: dt.datetime.now(dt.timezone.utc))
-    sleep: Callable[[float], None] = time.sleep
+    watch_s: float = 30.0
+    watch: Callable[[ScheduleConfig], object] | None = None
+    clock: Callable[[], dt.datetime] = utc_now
+    stopping: threading.Event = field(default_factory=threading.Event)
+    _logged_plan: list[str] = field(default_factory=list, init=False, repr=False)
 
     def step(self) -> tuple[list[PlannedHoard], float]:
         """Re-plan, run every hoard that is due now, and return (the plan, seconds until the next look)."""
         config = ScheduleConfig.load(self.config_path)
         state = RunnerState.load(self.state_path)
         now = self.clock()
+        remembered = len(state.done)
+        state.forget_past(now)
+        if len(state.done) != remembered:
+            state.save(self.state_path)
         read = read_calendars(config, now)
         for problem in read.problems:
             log.warning("%s", problem)
         plans = plan(read.occurrences, self.parcels(config), self.inventory, config, state.throughput(), now)
+        self._log_plan(plans, config.zone())
         for hoard in plans:
             if hoard.status in ("ready", "covered") or state.is_done(hoard) or hoard.start > now:
                 continue
-            log.info("hoarding %s (version %d, %s missing) for %r at %s", hoard.parcel, hoard.version,
-                     _human_bytes(hoard.missing_bytes), hoard.event.summary, hoard.event.start.isoformat())
+            if self.stopping.is_set():
+                break
+            log.info("hoarding %s (version %d, %s missing) for %r at %s%s", hoard.parcel, hoard.version,
+                     human_bytes(hoard.missing_bytes), hoard.event.summary, hoard.event.start.isoformat(),
+                     "; warning: not enough time" if hoard.status == "not enough time" else "")
+            started = time.time()
             nbytes, seconds = self.hoarder.hoard(hoard.parcel, config.mode)
+            state = RunnerState.load(self.state_path)  # `isr hoard` may have added a sample meanwhile
             state.add_sample(nbytes, seconds)
             state.mark_done(hoard)
+            state.record(hoard, started, nbytes, seconds)
             state.save(self.state_path)
-            log.info("hoarded %s in %.1f s (%.1f Mbit/s)", _human_bytes(nbytes), seconds,
-                     nbytes * 8 / 1e6 / seconds if seconds > 0 else 0.0)
+            log.info("hoarded %s of %s in %.1f s (%.1f Mbit/s); %s starts in %.0f s", human_bytes(nbytes),
+                     hoard.parcel, seconds, nbytes * 8 / 1e6 / seconds if seconds > 0 else 0.0,
+                     hoard.event.summary or "the event", (hoard.event.start - self.clock()).total_seconds())
             now = self.clock()
         pending = [p.start for p in plans if p.status not in ("ready", "covered") and not state.is_done(p)
                    and p.start > now]
@@ -408,13 +516,54 @@ class Runner:
             wait = min(wait, max(0.0, (min(pending) - now).total_seconds()))
         return plans, wait
 
-    def run(self, stop: Callable[[], bool] = lambda: False) -> None:
-        """Loop until ``stop()`` is true (checked between steps)."""
-        while not stop():
+    def _log_plan(self, plans: Sequence[PlannedHoard], zone: ZoneInfo) -> None:
+        """Log the plan when it differs from the last one logged (a service's log shows each decision once)."""
+        def when(t: dt.datetime) -> str:
+            return t.astimezone(zone).strftime("%H:%M:%S")
+
+        lines = [f"{p.parcel} v{p.version} for {p.event.summary!r} at {p.event.start.astimezone(zone):%a %H:%M}: "
+                 + (p.status if p.status in ("ready", "covered") else
+                    f"{human_bytes(p.missing_bytes)} missing, hoard {when(p.start)}-{when(p.finish)} ({p.status})")
+                 for p in plans]
+        if lines != self._logged_plan:
+            for line in lines or ["no upcoming event matches this site's rules"]:
+                log.info("plan: %s", line)
+            self._logged_plan = lines
+
+    def fingerprint(self) -> object:
+        """What `watch` sees now (None where it cannot look: a server or file that is away)."""
+        try:
+            config = ScheduleConfig.load(self.config_path)
+            return (file_fingerprint(self.config_path, config), self.watch(config) if self.watch else None)
+        except IsrError as exc:
+            log.debug("cannot look for changes: %s", exc)
+            return None
+
+    def run(self) -> None:
+        """Plan, hoard and wait until `stop` is called."""
+        while not self.stopping.is_set():
             try:
                 _, wait = self.step()
+            except HoardStopped:
+                break
             except IsrError as exc:
                 # A calendar or the server may be down for a while: say so and try again later.
                 log.error("%s; retrying in %.0f s", exc, self.replan_s)
                 wait = self.replan_s
-            self.sleep(wait)
+            seen = self.fingerprint()
+            log.info("next look in %.0f s", wait)
+            deadline = time.monotonic() + wait
+            while not self.stopping.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0 or self.stopping.wait(min(left, self.watch_s)):
+                    break
+                now = self.fingerprint()
+                if now is not None and seen is not None and now != seen:
+                    log.info("a calendar, the schedule or a parcel's version changed: planning again")
+                    break
+                seen = now if seen is None else seen
+
+    def stop(self) -> None:
+        """Make `run` return soon (from a signal handler or another thread), ending a running hoard."""
+        self.stopping.set()
+        self.hoarder.stop()

@@ -75,6 +75,8 @@ VNC_SOCKET = "vnc.sock"
 _CONSOLE_HISTORY = 1 << 20
 _CONSOLE_SEND_TIMEOUT = 10.0
 _POLL = 0.2
+#: How long an ending session waits for its control thread to hand the result to the requester.
+_ANSWER_TIMEOUT = 10.0
 _RENEW_DEFAULT = 60.0
 
 
@@ -112,6 +114,7 @@ class _Request:
     checkin: bool
     reporter: Reporter
     done: threading.Event = field(default_factory=threading.Event)
+    answered: threading.Event = field(default_factory=threading.Event)  # the requester has the result
     result: dict[str, Any] | None = None
     error: str | None = None
     kind: str | None = None
@@ -295,8 +298,11 @@ class ControlServer:
                         req = _Request(op, bool(request.get("checkin", True)), JsonReporter(write))
                         self.session.submit(req)
                         req.done.wait()
-                        write(json.dumps({"ok": req.error is None, "result": req.result, "error": req.error,
-                                          "kind": req.kind}) + "\n")
+                        try:
+                            write(json.dumps({"ok": req.error is None, "result": req.result, "error": req.error,
+                                              "kind": req.kind}) + "\n")
+                        finally:
+                            req.answered.set()
                     else:
                         write(json.dumps({"ok": False, "error": f"unknown op {op!r}"}) + "\n")
         except OSError:
@@ -714,6 +720,9 @@ class Session:
                     request = None
                 if request is not None:
                     self._handle(request)
+                    # The session may end now: not before the requester has its answer (this thread
+                    # exiting would kill the control thread that writes it).
+                    request.answered.wait(_ANSWER_TIMEOUT)
                     continue
                 assert self.vm is not None and self.vulpes is not None
                 if not self.vulpes.alive():
@@ -1164,7 +1173,9 @@ def _detached_main() -> int:
     session.reporter = TerminalReporter(interactive=False)
 
     def terminate(signum: int, frame: object) -> None:
-        session.submit(_Request("suspend", True, session.reporter))
+        request = _Request("suspend", True, session.reporter)
+        request.answered.set()  # nobody waits for an answer: the log has it
+        session.submit(request)
 
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, terminate)

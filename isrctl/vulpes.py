@@ -1,13 +1,14 @@
-"""Run vulpes, the FUSE daemon that serves a parcel's disk and memory images, and steer it.
+"""Run vulpes, the FUSE daemon that serves a parcel's disk and memory images, and steer it; run
+vulpes-fetch, which fetches chunk objects by tag into the cache without any key.
 
-This is the only isrctl module that starts vulpes or speaks its control socket (JSON lines, see
-vulpes/src/control.c). A `Vulpes` is one daemon on one mountpoint: `start` mounts (keys through an
+This is the only isrctl module that starts vulpes or vulpes-fetch or speaks the control socket (JSON lines,
+see vulpes/src/control.c) or vulpes-fetch's progress lines (vulpes/tools/vulpes-fetch.c). A `Vulpes` is one daemon on one mountpoint: `start` mounts (keys through an
 inherited pipe, never a file) and waits until the mount and the control socket are there; `stop`
 unmounts and waits for the daemon by PID (``fusermount3 -u`` has been seen to leave it running), and a
 non-zero exit is an error; `kill` is ``kill -9`` plus a lazy unmount, for when things went wrong.
 
 Which binary: ``$ISR_VULPES``, else ``$ISR_BUILD_DIR/vulpes/vulpes``, else ``build/vulpes/vulpes`` in the
-source tree this package comes from, else ``vulpes`` on ``$PATH``.
+source tree this package comes from, else ``vulpes`` on ``$PATH`` (vulpes-fetch: the same places).
 """
 from __future__ import annotations
 
@@ -19,15 +20,17 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from parcels.parcel import ParcelKeys
 
 from . import keys as keymod
-from .errors import VulpesFailure
+from .errors import HoardStopped, VulpesFailure
 
 log = logging.getLogger(__name__)
 
@@ -36,21 +39,22 @@ STOP_TIMEOUT = 60.0
 _LOG_TAIL = 3000
 
 
-def binary() -> Path:
-    """The vulpes executable to run. Raises VulpesFailure if none is found."""
+def binary(name: str = "vulpes") -> Path:
+    """The executable ``name`` (``vulpes`` or ``vulpes-fetch``) to run. Raises VulpesFailure if none is found."""
     candidates: list[Path] = []
     if os.environ.get("ISR_VULPES"):
-        candidates.append(Path(os.environ["ISR_VULPES"]))
+        given = Path(os.environ["ISR_VULPES"])
+        candidates.append(given if name == "vulpes" else given.with_name(name))
     if os.environ.get("ISR_BUILD_DIR"):
-        candidates.append(Path(os.environ["ISR_BUILD_DIR"]) / "vulpes" / "vulpes")
-    candidates.append(Path(__file__).resolve().parent.parent / "build" / "vulpes" / "vulpes")
-    found = shutil.which("vulpes")
+        candidates.append(Path(os.environ["ISR_BUILD_DIR"]) / "vulpes" / name)
+    candidates.append(Path(__file__).resolve().parent.parent / "build" / "vulpes" / name)
+    found = shutil.which(name)
     if found:
         candidates.append(Path(found))
     for path in candidates:
         if path.is_file() and os.access(path, os.X_OK):
             return path
-    raise VulpesFailure("vulpes is not built: run `ninja -C build` in the source tree (or set ISR_VULPES)")
+    raise VulpesFailure(f"{name} is not built: run `ninja -C build` in the source tree (or set ISR_VULPES)")
 
 
 def is_mounted(path: Path) -> bool:
@@ -76,6 +80,16 @@ def _listed_as_mount(path: Path) -> bool:
             return any(line.split()[1] == target for line in f if len(line.split()) > 1)
     except OSError:
         return False
+
+
+def log_tail(path: Path, offset: int) -> str:
+    """The end of a log file, from ``offset`` at most (what a program printed since it started)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(offset, f.seek(0, os.SEEK_END) - _LOG_TAIL))
+            return f.read().decode(errors="replace").rstrip()
+    except OSError:
+        return ""
 
 
 class Vulpes:
@@ -159,12 +173,7 @@ class Vulpes:
 
     def output(self) -> str:
         """What vulpes printed since `start` (the tail)."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(self._log_offset, f.seek(0, os.SEEK_END) - _LOG_TAIL))
-                return f.read().decode(errors="replace").rstrip()
-        except OSError:
-            return ""
+        return log_tail(self.log_path, self._log_offset)
 
     # --- control socket -----------------------------------------------------------------------------
 
@@ -278,6 +287,115 @@ class Vulpes:
                 os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(STOP_TIMEOUT)
         release_mount(self.mountpoint)
+
+
+@dataclass
+class FetchResult:
+    """What one run of vulpes-fetch did."""
+
+    tags: int        # tags it was given
+    cached: int      # of those, already in the cache
+    fetched: int     # fetched, verified and stored
+    failed: int      # not on the server, or every copy failed verification
+    bytes: int       # object bytes fetched
+    seconds: float   # from the first request to the last answer
+
+
+#: vulpes-fetch's exit status when the server stayed unreachable for longer than --patience.
+FETCH_UNREACHABLE = 75
+
+
+class ChunkFetch:
+    """Runs vulpes-fetch: chunk objects by tag from the server into the chunk cache, no key needed.
+
+    `run` blocks until it is done; `stop` (from any thread, e.g. a signal handler) makes it end early,
+    keeping what was fetched, and `run` then raises HoardStopped.
+    """
+
+    def __init__(self, *, cache_dir: Path, server: str, token_file: Path, pin: str | None, log_path: Path,
+                 cache_limit: str = "", patience_s: int = 120) -> None:
+        self.log_path = log_path
+        self.cache_dir = cache_dir
+        self._log_offset = 0
+        self.args = [str(binary("vulpes-fetch")), f"--cache={cache_dir}", f"--server={server}",
+                     f"--token-file={token_file}", f"--patience={patience_s}"]
+        if pin:
+            self.args.append(f"--pin={pin}")
+        if cache_limit:
+            self.args.append(f"--cache-limit={cache_limit}")
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.RLock()  # stop() may come from a signal handler
+        self._stopped = False
+
+    def run(self, tags: Iterable[str], progress: Callable[[dict[str, Any]], None] | None = None) -> FetchResult:
+        """Fetch the objects of ``tags`` that the cache lacks; ``progress`` gets each progress line.
+
+        Raises VulpesFailure if some object could not be had or the server stayed unreachable, HoardStopped
+        if `stop` was called.
+        """
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            self._log_offset = self.log_path.stat().st_size
+        with self._lock:
+            if self._stopped:
+                raise HoardStopped("the hoard was stopped")
+            with open(self.log_path, "ab") as log_file:
+                try:
+                    self._proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                  stderr=log_file, start_new_session=True)
+                except OSError as exc:
+                    raise VulpesFailure(f"cannot run {self.args[0]}: {exc.strerror}") from None
+        proc = self._proc
+        assert proc.stdin is not None and proc.stdout is not None
+        last: dict[str, Any] = {}
+        start: dict[str, Any] = {}
+        try:
+            with contextlib.suppress(BrokenPipeError):
+                # vulpes-fetch reads every tag before it prints anything, so this cannot deadlock.
+                proc.stdin.write("".join(f"{tag}\n" for tag in tags).encode())
+                proc.stdin.close()
+            for raw in proc.stdout:
+                try:
+                    line = json.loads(raw)
+                except ValueError:
+                    continue
+                if line.get("event") == "start":
+                    start = line
+                else:
+                    last = line
+                if progress is not None:
+                    progress(line)
+            code = proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        result = FetchResult(tags=int(start.get("tags", 0)), cached=int(start.get("cached", 0)),
+                             fetched=int(last.get("fetched", 0)), failed=int(last.get("failed", 0)),
+                             bytes=int(last.get("bytes", 0)), seconds=float(last.get("seconds", 0.0)))
+        if self._stopped or last.get("event") == "stopped":
+            raise HoardStopped(f"the hoard was stopped after {result.fetched} chunks")
+        if code == FETCH_UNREACHABLE:
+            raise VulpesFailure(f"the server stayed unreachable; {result.fetched} of {start.get('wanted', '?')} "
+                                f"chunks were fetched (see {self.log_path})")
+        if code != 0 and not start:
+            raise VulpesFailure(f"vulpes-fetch exited with code {code} before fetching:\n{self.output()}")
+        if code != 0:
+            raise VulpesFailure(f"{result.failed} chunks could not be fetched (exit code {code}; see {self.log_path})")
+        return result
+
+    def output(self) -> str:
+        """What vulpes-fetch printed to its log during `run` (the tail)."""
+        return log_tail(self.log_path, self._log_offset)
+
+    def stop(self) -> None:
+        """Ask a running fetch to end (SIGTERM); safe from any thread and before `run`."""
+        with self._lock:
+            self._stopped = True
+            if self._proc is not None and self._proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self._proc.send_signal(signal.SIGTERM)
 
 
 def cache_object_path(cache_dir: Path, tag: bytes | str) -> Path:

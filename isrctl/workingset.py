@@ -83,3 +83,16 @@ def select(records: Iterable[KeyringRecord], indices: Iterable[int]) -> list[Key
     """The records of the listed chunk indices (absent indices are all-zero chunks and need nothing)."""
     wanted = set(indices)
     return [record for record in records if record.idx in wanted]
+
+
+def tags(working_set: dict[str, list[int]], records: dict[str, list[KeyringRecord]]) -> list[str]:
+    """The chunk tags (hex) of a working set, image by image in first-touch order, each once: what a
+    commit tells the server so that other sites can hoard the working set without the parcel key."""
+    out: dict[str, None] = {}
+    for image in IMAGES:
+        by_index = {record.idx: record for record in records.get(image, [])}
+        for index in working_set.get(image, []):
+            record = by_index.get(index)
+            if record is not None:
+                out.setdefault(record.tag.hex(), None)
+    return list(out)

@@ -19,6 +19,7 @@ import math
 import os
 import re
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ audit_log = logging.getLogger("server.audit")
 API_VERSION = 1
 DRAIN_LIMIT = 64 * 1024 * 1024
 CHUNK_CACHE_CONTROL = b"private, max-age=31536000, immutable"
+#: Default page size of a version's chunk list (GET …/versions/{n}/chunks): about 1 MB of JSON.
+CHUNK_PAGE = 10000
 T = TypeVar("T")
 
 Scope = dict[str, Any]
@@ -76,6 +79,11 @@ class Request:
         client = scope.get("client")
         self.remote = f"{client[0]}:{client[1]}" if client else ""
         self.token: TokenInfo | None = None
+
+    def query(self, name: str, default: str) -> str:
+        """One query-string parameter (the last if repeated), or ``default``."""
+        values = urllib.parse.parse_qs(self.scope.get("query_string", b"").decode("latin-1")).get(name)
+        return values[-1] if values else default
 
     def _declared_length(self, limit: int) -> int | None:
         text = self.headers.get("content-length")
@@ -169,6 +177,8 @@ def _routes() -> list[Route]:
         ("GET", rf"/v1/parcels/{seg}/versions", "list_versions"),
         ("POST", rf"/v1/parcels/{seg}/versions", "commit"),
         ("GET", rf"/v1/parcels/{seg}/versions/{seg}", "get_version"),
+        # Before the blob route: "chunks" is reserved (names.RESERVED_BLOB_NAMES), never a blob's name.
+        ("GET", rf"/v1/parcels/{seg}/versions/{seg}/chunks", "version_chunks"),
         ("GET", rf"/v1/parcels/{seg}/versions/{seg}/{seg}", "get_blob"),
         ("HEAD", rf"/v1/parcels/{seg}/versions/{seg}/{seg}", "get_blob"),
         ("PUT", rf"/v1/parcels/{seg}/staging/{seg}", "put_staged"),
@@ -478,6 +488,25 @@ class IsrApp:
         headers = [(b"content-type", b"application/octet-stream"), (b"cache-control", CHUNK_CACHE_CONTROL)]
         return await self._object_response(key, headers, allow_redirect=False)
 
+    async def h_version_chunks(self, request: Request, parcel_text: str, version_text: str) -> Response:
+        parcel = await self.parcel(request, parcel_text)
+        number = names.version(version_text)
+        which = request.query("set", "all")
+        if which not in ("all", "working"):
+            raise BadRequest("set must be all or working", code="bad_set")
+        limit_max = self.config["server.max_tags_per_query"]
+        offset = _query_int(request, "offset", 0, 0, 2**62)
+        limit = _query_int(request, "limit", min(CHUNK_PAGE, limit_max), 1, limit_max)
+        assert self.meta is not None
+        recorded, tags = await self.run(self.meta.version_chunk_tags, parcel.id, number, which)
+        page = tags[offset:offset + limit]
+        sizes = await self.run(self.meta.chunk_sizes, page)
+        following = offset + len(page)
+        return Response(json={"parcel": parcel.id, "version": number, "set": which, "recorded": recorded,
+                              "total": len(tags), "offset": offset,
+                              "chunks": [{"tag": t, "size": sizes.get(t)} for t in page],
+                              "next": following if following < len(tags) else None})
+
     async def h_put_staged(self, request: Request, parcel_text: str, name_text: str) -> Response:
         parcel = await self.parcel(request, parcel_text)
         name = names.blob_name(name_text)
@@ -511,6 +540,14 @@ class IsrApp:
         if not isinstance(tags_value, list):
             raise BadRequest("tags must be a JSON array of chunk tags", code="bad_tags")
         tags = [names.tag(t) for t in tags_value]
+        working_value = body.get("working_tags")
+        working: list[str] | None = None
+        if working_value is not None:
+            if not isinstance(working_value, list):
+                raise BadRequest("working_tags must be a JSON array of chunk tags", code="bad_working_tags")
+            working = [names.tag(t) for t in working_value]
+            if not set(working) <= set(tags):
+                raise BadRequest("working_tags must be among the version's tags", code="bad_working_tags")
         if set(blobs) & set(inherit):
             raise BadRequest("a blob cannot be both uploaded and inherited", code="bad_blobs")
         missing_required = [n for n in names.REQUIRED_BLOBS if n not in blobs and n not in inherit]
@@ -540,7 +577,7 @@ class IsrApp:
         actor = request.token.user if request.token else "-"
         try:
             version = await self.run(meta.commit_version, parcel.id, nonce_hash, parent, tags, blob_list,
-                                     lock.host, lock.site, actor, request.remote, publish)
+                                     lock.host, lock.site, actor, request.remote, publish, working)
         except Conflict as e:
             await self.run(meta.audit, actor, "version.refused", parcel.id, request.remote,
                            {"parent": parent, "code": e.code})
@@ -737,6 +774,13 @@ def _dirty_report(body: bytes) -> tuple[int, int, float] | None:
             or reported < 0:
         raise BadRequest("reported must be a Unix time in seconds", code="bad_reported")
     return counts[0], counts[1], float(reported)
+
+
+def _query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
+    text = request.query(name, str(default))
+    if not re.fullmatch(r"[0-9]{1,19}", text) or not low <= int(text) <= high:
+        raise BadRequest(f"{name} must be a whole number from {low} to {high}", code=f"bad_{name}")
+    return int(text)
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:

@@ -15,6 +15,8 @@ BLOB_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 USER_RE = re.compile(r"[a-z_][a-z0-9_.-]{0,31}")
 NONCE_RE = re.compile(r"[A-Za-z0-9_-]{16,128}")
 REQUIRED_BLOBS = ("manifest", "keyring.disk", "keyring.memory")
+#: Names that are path segments of the API under a version (``…/versions/{n}/chunks``), so never a blob's.
+RESERVED_BLOB_NAMES = ("chunks",)
 KEYENVELOPE_SIZE = 148
 
 
@@ -41,6 +43,8 @@ def blob_name(text: object) -> str:
     """A version blob name as in the manifest's rules: ``[a-z0-9][a-z0-9._-]{0,63}``."""
     if not isinstance(text, str) or not BLOB_RE.fullmatch(text):
         raise BadRequest(f"not a blob name ([a-z0-9][a-z0-9._-]{{0,63}}): {_show(text)}", code="bad_blob_name")
+    if text in RESERVED_BLOB_NAMES:
+        raise BadRequest(f"{text!r} is reserved by the API and cannot name a blob", code="bad_blob_name")
     return text
 
 

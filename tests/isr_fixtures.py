@@ -2,8 +2,9 @@
 isr-admin, and "sites" that run the real `isr` command, each with its own XDG directories (so its own
 chunk cache, state and token) and, optionally, its own network namespace behind a shaped veth link.
 
-A `Site` runs ``isr`` as a subprocess (through ``nsenter --net`` when it has a namespace), exactly as a
-person would type it. Everything a site starts (detached sessions, QEMU, vulpes, mounts) is killed and
+The module-scoped fixtures `isr_env` (one server per test module) and `nets` (two shaped namespaces) are
+imported by the test modules that use them. A `Site` runs ``isr`` as a subprocess (through ``nsenter
+--net`` when it has a namespace), exactly as a person would type it. Everything a site starts (detached sessions, QEMU, vulpes, mounts) is killed and
 unmounted in ``finally`` by `Site.cleanup`, whatever the test did.
 """
 from __future__ import annotations
@@ -113,13 +114,14 @@ class IsrEnv:
     def url(self, host: str = "127.0.0.1") -> str:
         return f"https://{host}:{self.port}"
 
-    def make_parcel(self, name: str | None = None, owner: str = "alice") -> Parcel:
-        """A new parcel from the test guest (version 1, powered off), protected by a fresh key file."""
+    def make_parcel(self, name: str | None = None, owner: str = "alice", ram_mib: int = 256) -> Parcel:
+        """A new parcel from the test guest (version 1, powered off) with ``ram_mib`` MiB of guest RAM,
+        protected by a fresh key file."""
         name = name or f"p{secrets.token_hex(4)}"
         keyfile = self.root / f"{name}.key"
         keyfile.write_bytes(os.urandom(32))
         result = self.server.admin("--json", "parcel", "create", "--owner", owner, "--name", name,
-                                   "--disk", str(self.guest.disk), "--ram", "256", "--machine", "pc-q35-7.2",
+                                   "--disk", str(self.guest.disk), "--ram", str(ram_mib), "--machine", "pc-q35-7.2",
                                    "--kernel", str(self.guest.kernel), "--initrd", str(self.guest.initrd),
                                    "--cmdline", KERNEL_CMDLINE, "--key-file", str(keyfile))
         return Parcel(name=name, id=json.loads(result.stdout)["id"], keyfile=keyfile)
@@ -165,6 +167,26 @@ def start_isr_env(request: pytest.FixtureRequest, root: Path, guest: GuestArtifa
     return IsrEnv(server=env, guest=guest, root=root, port=port)
 
 
+@pytest.fixture(scope="module")
+def isr_env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+            guest_artifacts: GuestArtifacts) -> Iterator[IsrEnv]:
+    """A real isr-server for one test module, stopped after it. Import it (with ``guest_artifacts``) into
+    the module: ``from tests.isr_fixtures import isr_env  # noqa: F401``."""
+    env = start_isr_env(request, tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2]),
+                        guest_artifacts)
+    try:
+        yield env
+    finally:
+        env.server.server.stop()
+
+
+@pytest.fixture(scope="module")
+def nets() -> Iterator[list[NetSite]]:
+    """Two network namespaces behind 100 Mbit/s links, for one test module."""
+    with shaped_namespaces(2, rate="100mbit") as made:
+        yield made
+
+
 # --- sites ----------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -176,12 +198,16 @@ class Site:
     env: IsrEnv
     net: NetSite | None = None
     runtime: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="isr-rt-")))
+    #: "host:port" this site's isr talks to instead of the server itself (a proxy that adds round-trip time)
+    server: str | None = None
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
 
     @property
     def server_url(self) -> str:
+        if self.server:
+            return f"https://{self.server}"
         return self.env.url(self.net.host_ip if self.net else "127.0.0.1")
 
     def environ(self) -> dict[str, str]:
@@ -286,9 +312,11 @@ class Site:
 
 
 @contextlib.contextmanager
-def sites(env: IsrEnv, root: Path, names: list[str], nets: list[NetSite] | None = None) -> Iterator[list[Site]]:
-    """Logged-in sites, cleaned up afterwards."""
-    made = [Site(name, root / name, env, nets[i] if nets else None) for i, name in enumerate(names)]
+def sites(env: IsrEnv, root: Path, names: list[str], nets: list[NetSite] | None = None,
+          servers: list[str] | None = None) -> Iterator[list[Site]]:
+    """Logged-in sites, cleaned up afterwards; ``servers`` overrides each site's server address."""
+    made = [Site(name, root / name, env, nets[i] if nets else None, server=servers[i] if servers else None)
+            for i, name in enumerate(names)]
     try:
         for site in made:
             site.login()
@@ -333,3 +361,18 @@ def check_continues(console: GuestConsole, marks: GuestMarks) -> int:
     counter = console.counter()
     assert counter >= marks.counter, f"counter {counter} does not continue from {marks.counter}"
     return counter
+
+
+def work_and_check_in(site: Site, parcel: Parcel, tag: str, before: GuestMarks | None = None) -> GuestMarks:
+    """Resume the parcel at ``site`` (demand policy), check that the guest carries on from ``before`` (or wait
+    for a cold boot), make changes, then suspend and check in. Returns the new marks."""
+    site.resume(parcel, "--policy", "demand")
+    with site.console(parcel) as console:
+        if before is None:
+            console.wait_ready(90)
+        else:
+            check_continues(console, before)
+        marks = make_changes(console, tag)
+    site.isr("suspend", parcel.name)
+    site.wait_session_end(parcel)
+    return marks

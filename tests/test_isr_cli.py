@@ -5,25 +5,14 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
-from tests.isr_fixtures import IsrEnv, Site, sites, start_isr_env
+from tests.isr_fixtures import IsrEnv, Site, isr_env, sites  # noqa: F401  (isr_env: pytest fixture)
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def isr_env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-            guest_artifacts) -> Iterator[IsrEnv]:  # noqa: F811
-    env = start_isr_env(request, tmp_path_factory.mktemp("isr-cli"), guest_artifacts)
-    try:
-        yield env
-    finally:
-        env.server.server.stop()
 
 
 def test_help_teaches_every_command(isr_env: IsrEnv, tmp_path: Path) -> None:

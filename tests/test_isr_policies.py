@@ -10,34 +10,17 @@ disk image is e2fsck-clean.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
-from tests.isr_fixtures import (IsrEnv, NetSite, check_continues, make_changes, shaped_namespaces, sites,
-                                start_isr_env)
+from tests.isr_fixtures import (IsrEnv, NetSite, check_continues, isr_env, make_changes, nets,  # noqa: F401
+                                sites)
 
 pytestmark = pytest.mark.timeout(400)
 
 POLICIES = ["baseline", "proactive", "demand", "lazy-ws", "eager-ws", "eager-writeback"]
-
-
-@pytest.fixture(scope="module")
-def nets() -> Iterator[list[NetSite]]:
-    with shaped_namespaces(2, rate="100mbit") as made:
-        yield made
-
-
-@pytest.fixture(scope="module")
-def isr_env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-            guest_artifacts) -> Iterator[IsrEnv]:  # noqa: F811
-    env = start_isr_env(request, tmp_path_factory.mktemp("isr-policies"), guest_artifacts)
-    try:
-        yield env
-    finally:
-        env.server.server.stop()
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -7,25 +7,14 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
-from tests.isr_fixtures import IsrEnv, check_continues, make_changes, sites, start_isr_env
+from tests.isr_fixtures import IsrEnv, check_continues, isr_env, make_changes, sites  # noqa: F401
 
 pytestmark = pytest.mark.timeout(400)
-
-
-@pytest.fixture(scope="module")
-def isr_env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-            guest_artifacts) -> Iterator[IsrEnv]:  # noqa: F811
-    env = start_isr_env(request, tmp_path_factory.mktemp("isr-versions"), guest_artifacts)
-    try:
-        yield env
-    finally:
-        env.server.server.stop()
 
 
 def test_foreground_sync_poweroff_rollback(isr_env: IsrEnv, tmp_path: Path) -> None:

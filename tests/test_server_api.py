@@ -213,6 +213,59 @@ def test_version_commit_cycle(server_env: ServerEnv) -> None:
         assert listed["lock"] is None and [v["version"] for v in listed["versions"]] == [1, 2]
 
 
+def test_version_chunk_lists_for_keyless_hoards(server_env: ServerEnv) -> None:
+    """GET …/versions/{n}/chunks lists a version's tags with their stored sizes, page by page, and the
+    working set the committing client reported (in its order); nothing of it needs the parcel key."""
+    parcel = server_env.new_parcel("alice")
+    theirs = server_env.new_parcel("bob")
+    with server_env.client("alice") as client:
+        nonce = client.acquire(parcel, host="laptop", site="home")["nonce"]
+        chunks = [make_chunk(size) for size in (1000, 2000, 3000)]
+        tags = [t for t, _ in chunks]
+        for tag, data in chunks:
+            client.put_chunk(tag, data)
+        blobs = {"manifest": b"m", "keyring.disk": b"k", "keyring.memory": b"km"}
+        for name, data in blobs.items():
+            client.put_blob(parcel, name, data, nonce)
+        # The working set must be among the version's tags.
+        with pytest.raises(RequestRejected) as e:
+            client.commit(parcel, nonce, 0, list(blobs), tags[:2], working_tags=[tags[2]])
+        assert e.value.status == 400 and e.value.code == "bad_working_tags"
+        client.commit(parcel, nonce, 0, list(blobs), tags, working_tags=[tags[2], tags[0], tags[2]])
+
+        recorded, listed = client.version_chunks(parcel, 1)
+        assert recorded and listed == sorted((t, len(d)) for t, d in chunks)
+        recorded, working = client.version_chunks(parcel, 1, "working")
+        assert recorded and working == [(tags[2], 3000), (tags[0], 1000)]  # first touch first, once each
+        path = f"/v1/parcels/{parcel}/versions/1/chunks"
+        first = client.request("GET", f"{path}?limit=2").json()
+        assert first["total"] == 3 and first["next"] == 2 and len(first["chunks"]) == 2
+        last = client.request("GET", f"{path}?offset=2&limit=2").json()
+        assert last["next"] is None and [c["tag"] for c in last["chunks"]] == [sorted(tags)[2]]
+        assert client.request("GET", f"{path}?offset=9").json()["chunks"] == []
+        for query, code in (("set=hot", "bad_set"), ("limit=0", "bad_limit"), ("offset=-1", "bad_offset")):
+            with pytest.raises(RequestRejected) as e:
+                client.request("GET", f"{path}?{query}")
+            assert e.value.code == code
+        # A version committed without a working set has none recorded.
+        for name, data in blobs.items():
+            client.put_blob(parcel, name, data, nonce)
+        client.commit(parcel, nonce, 1, list(blobs), tags[:1])
+        assert client.version_chunks(parcel, 2, "working") == (False, [])
+        assert client.version_chunks(parcel, 2) == (True, [(tags[0], 1000)])
+        with pytest.raises(RemoteNotFound):
+            client.version_chunks(parcel, 3)
+        with pytest.raises(AccessDenied):
+            client.version_chunks(theirs, 1)
+        with server_env.server.client(token="isr_" + "x" * 40) as stranger, pytest.raises(AuthenticationFailed):
+            stranger.version_chunks(parcel, 1)
+        # "chunks" is the API's word under a version, so no blob may have that name.
+        with pytest.raises(RequestRejected) as e:
+            client.put_blob(parcel, "chunks", b"x", nonce)
+        assert e.value.code == "bad_blob_name"
+        client.release(parcel, nonce)
+
+
 def test_lock_refusal_names_the_holder(server_env: ServerEnv) -> None:
     parcel = server_env.new_parcel("alice")
     with server_env.client("alice") as laptop, server_env.client("alice") as desktop:

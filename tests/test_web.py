@@ -342,7 +342,8 @@ def test_unknown_pages_and_methods(server_env: ServerEnv) -> None:
 
 
 def test_schema_1_database_is_upgraded(tmp_path: Path) -> None:
-    """A database made before the web pages gets the lock report columns and the session tables."""
+    """A database made before the web pages gets the lock report columns, the session tables and the
+    versions' working-set column."""
     from server.meta.sqlite import SqliteMeta
 
     path = tmp_path / "meta.sqlite"
@@ -352,14 +353,20 @@ def test_schema_1_database_is_upgraded(tmp_path: Path) -> None:
         db.execute("CREATE TABLE locks (parcel_id TEXT PRIMARY KEY, nonce_hash TEXT NOT NULL, user_id BIGINT NOT NULL, "
                    "host TEXT NOT NULL, site TEXT NOT NULL, acquired DOUBLE PRECISION NOT NULL, "
                    "renewed DOUBLE PRECISION NOT NULL, expires DOUBLE PRECISION, version BIGINT NOT NULL)")
+        db.execute("CREATE TABLE versions (parcel_id TEXT NOT NULL, version BIGINT NOT NULL, parent BIGINT, "
+                   "created DOUBLE PRECISION NOT NULL, user_id BIGINT, host TEXT NOT NULL, site TEXT NOT NULL, "
+                   "blobs TEXT NOT NULL, tags BLOB NOT NULL, chunk_count BIGINT NOT NULL, "
+                   "chunk_bytes BIGINT NOT NULL, PRIMARY KEY (parcel_id, version))")
     meta = SqliteMeta(path)
     meta.close()
     with sqlite3.connect(path) as db:
         columns = {row[1] for row in db.execute("PRAGMA table_info(locks)")}
+        version_columns = {row[1] for row in db.execute("PRAGMA table_info(versions)")}
         tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         version = db.execute("SELECT value FROM schema_info WHERE name = 'version'").fetchone()[0]
     assert {"dirty_chunks", "dirty_bytes", "dirty_reported"} <= columns
-    assert {"web_sessions", "signin_failures"} <= tables and version == 2
+    assert "working_tags" in version_columns  # schema 3: the working sets of keyless hoards
+    assert {"web_sessions", "signin_failures"} <= tables and version == 3
     SqliteMeta(path).close()  # opening again changes nothing
 
 

@@ -27,7 +27,7 @@ from .base import (AuditEntry, ChunkRow, LockInfo, MetaStore, ParcelInfo, TokenI
                    WebSession)
 
 BATCH = 500
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _LOCK_COLUMNS = ("l.parcel_id, u.name, l.host, l.site, l.acquired, l.renewed, l.expires, l.version, l.nonce_hash, "
                  "l.dirty_chunks, l.dirty_bytes, l.dirty_reported")
@@ -56,6 +56,12 @@ def pack_tags(tags: Iterable[str]) -> bytes:
 
 def unpack_tags(data: bytes) -> list[str]:
     return [data[i:i + 32].hex() for i in range(0, len(data), 32)]
+
+
+def pack_ordered_tags(tags: Iterable[str]) -> bytes:
+    """A version's working set as stored: distinct 32-byte tags concatenated in the client's order
+    (first touch first), which is the order a hoard should fetch them in."""
+    return b"".join(bytes.fromhex(t) for t in dict.fromkeys(tags))
 
 
 def _lock(row: tuple[Any, ...] | None) -> LockInfo | None:
@@ -269,6 +275,18 @@ class SqlMeta(MetaStore):
             raise NotFound(f"parcel {parcel} has no version {version}")
         return unpack_tags(bytes(row[0]))
 
+    def version_chunk_tags(self, parcel: str, version: int, which: str) -> tuple[bool, list[str]]:
+        """The tags of a version's chunk set ``which``: "all" (sorted) or "working" (the working set the
+        committing client reported, in its order). Returns (whether the set was recorded, the tags)."""
+        column = {"all": "tags", "working": "working_tags"}[which]
+        with self._tx() as cur:
+            row = cur.one(f"SELECT {column} FROM versions WHERE parcel_id = ? AND version = ?", (parcel, version))
+        if row is None:
+            raise NotFound(f"parcel {parcel} has no version {version}")
+        if row[0] is None:
+            return False, []
+        return True, unpack_tags(bytes(row[0]))
+
     def all_version_tags(self) -> Iterator[tuple[str, int, bytes]]:
         """(parcel, version, packed tags) for every version (for gc, fsck and usage)."""
         with self._tx() as cur:
@@ -291,8 +309,9 @@ class SqlMeta(MetaStore):
 
     def commit_version(self, parcel: str, nonce_hash: str, parent: int, tags: Sequence[str],
                        blobs: list[dict[str, Any]], host: str, site: str, actor: str, remote: str,
-                       publish: Callable[[int], None]) -> VersionInfo:
-        """Commit version parent+1 atomically.
+                       publish: Callable[[int], None], working_tags: Sequence[str] | None = None) -> VersionInfo:
+        """Commit version parent+1 atomically. ``working_tags`` (a subset of ``tags``, in first-touch order)
+        is the working set the client reports, or None if it reports none.
 
         Refused with `Conflict` if the nonce is not the lock's (``lock_lost``), `parent` is not the current
         version (``parent_mismatch``), or a referenced chunk is not in the index (``chunks_missing``).
@@ -326,9 +345,10 @@ class SqlMeta(MetaStore):
             new = current + 1
             publish(new)
             cur.run("INSERT INTO versions (parcel_id, version, parent, created, user_id, host, site, blobs, tags, "
-                    "chunk_count, chunk_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "chunk_count, chunk_bytes, working_tags) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (parcel, new, current or None, now, lock[1], host, site, json.dumps(blobs),
-                     pack_tags(distinct), len(distinct), sum(found.values())))
+                     pack_tags(distinct), len(distinct), sum(found.values()),
+                     None if working_tags is None else pack_ordered_tags(working_tags)))
             cur.run("UPDATE parcels SET current_version = ? WHERE id = ?", (new, parcel))
             cur.run("UPDATE locks SET version = ? WHERE parcel_id = ?", (new, parcel))
             self._audit(cur, actor, "version.commit", parcel, remote,
@@ -610,7 +630,7 @@ def schema(blob: str, serial: str) -> list[str]:
         "CREATE TABLE IF NOT EXISTS versions (parcel_id TEXT NOT NULL REFERENCES parcels(id), "
         "version BIGINT NOT NULL, parent BIGINT, created DOUBLE PRECISION NOT NULL, user_id BIGINT, host TEXT NOT NULL, "
         f"site TEXT NOT NULL, blobs TEXT NOT NULL, tags {blob} NOT NULL, chunk_count BIGINT NOT NULL, "
-        "chunk_bytes BIGINT NOT NULL, PRIMARY KEY (parcel_id, version))",
+        f"chunk_bytes BIGINT NOT NULL, working_tags {blob}, PRIMARY KEY (parcel_id, version))",
         "CREATE TABLE IF NOT EXISTS locks (parcel_id TEXT PRIMARY KEY REFERENCES parcels(id), "
         "nonce_hash TEXT NOT NULL, user_id BIGINT NOT NULL REFERENCES users(id), host TEXT NOT NULL, "
         "site TEXT NOT NULL, acquired DOUBLE PRECISION NOT NULL, renewed DOUBLE PRECISION NOT NULL, "
@@ -630,10 +650,11 @@ def schema(blob: str, serial: str) -> list[str]:
 
 
 #: Statements that bring a database of schema version N-1 to version N (new tables need none: the
-#: schema's CREATE TABLE IF NOT EXISTS adds them).
+#: schema's CREATE TABLE IF NOT EXISTS adds them); ``{blob}`` is the backend's binary column type.
 MIGRATIONS: dict[int, list[str]] = {
     2: ["ALTER TABLE locks ADD COLUMN dirty_chunks BIGINT", "ALTER TABLE locks ADD COLUMN dirty_bytes BIGINT",
         "ALTER TABLE locks ADD COLUMN dirty_reported DOUBLE PRECISION"],
+    3: ["ALTER TABLE versions ADD COLUMN working_tags {blob}"],
 }
 
 
@@ -648,7 +669,7 @@ def create_schema(cur: Cursor, blob: str, serial: str) -> None:
     assert row is not None
     for version in range(row[0] + 1, SCHEMA_VERSION + 1):
         for statement in MIGRATIONS.get(version, []):
-            cur.run(statement)
+            cur.run(statement.format(blob=blob))
     if row[0] < SCHEMA_VERSION:
         cur.run("UPDATE schema_info SET value = ? WHERE name = 'version'", (SCHEMA_VERSION,))
 
