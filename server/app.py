@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from . import auth, names
 from .config import ENV_CONFIG, MAX_CHUNK_OBJECT, Config
 from .errors import (ApiError, BadRequest, Conflict, Forbidden, MethodNotAllowed, NotFound, StorageError,
-                     TooLarge, Unauthorized, Unavailable, Unprocessable)
+                     TooLarge, TooManyAttempts, Unauthorized, Unavailable, Unprocessable)
 from .meta import LockInfo, ParcelInfo, TokenInfo, open_meta
 from .meta.sql import SqlMeta
 from .ops import publisher
@@ -251,6 +251,8 @@ class IsrApp:
             response = Response(e.status, json=e.body())
             if e.status == 401:
                 response.headers.append((b"www-authenticate", b'Bearer realm="isr"'))
+            if "retry_after" in e.details:
+                response.headers.append((b"retry-after", str(e.details["retry_after"]).encode()))
         except ClientGone:
             return
         except StorageError as e:
@@ -381,12 +383,22 @@ class IsrApp:
         if not isinstance(user, str) or not isinstance(password, str) or len(password) > auth.MAX_PASSWORD_BYTES:
             raise BadRequest("login needs string fields user and password", code="bad_login")
         assert self.meta is not None
-        found = await self.run(self.meta.get_user, user) if names.USER_RE.fullmatch(user) else None
+        valid_name = names.USER_RE.fullmatch(user) is not None
+        # The same failure counters as the web sign-in: guessing through either door counts for both.
+        limits = auth.signin_subjects(user if valid_name else None, auth.client_address(request.scope))
+        subjects = [subject for subject, _ in limits]
+        wait = await self.run(self.meta.signin_wait, limits, auth.SIGNIN_WINDOW, auth.SIGNIN_DELAY)
+        if wait > 0:
+            raise TooManyAttempts(f"too many failed logins: try again in {int(wait) + 1} s",
+                                  retry_after=int(wait) + 1)
+        found = await self.run(self.meta.get_user, user) if valid_name else None
         stored = found[1] if found else auth.DUMMY_HASH
         ok = await self.run(auth.verify_password, password, stored)
         if not found or not ok:
+            await self.run(self.meta.signin_failed, subjects, auth.SIGNIN_WINDOW)
             log.warning("failed login for user %r from %s", user[:40], request.remote)
             raise Unauthorized("wrong user name or password", code="bad_credentials")
+        await self.run(self.meta.signin_succeeded, subjects[0])
         token = auth.new_token()
         info = await self.run(self.meta.add_token, os.urandom(8).hex(), auth.secret_hash(token), found[0].id,
                               label, self.config["server.token_ttl_seconds"])

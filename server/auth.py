@@ -58,3 +58,26 @@ def new_nonce() -> str:
 def secret_hash(secret: str) -> str:
     """What the database stores for a token or nonce: SHA-256 hex of its UTF-8 bytes."""
     return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+# --- login throttling (the API's /v1/login and the web sign-in count the same failures) ----------------
+
+#: (subject prefix, failures before logins are delayed). After `limit` failures within `SIGNIN_WINDOW`
+#: seconds the next try must wait `SIGNIN_DELAY` seconds, doubled after each further failure, at most
+#: `SIGNIN_WINDOW`. The per-address limit is higher: many people may share one address.
+SIGNIN_LIMITS = (("user", 5), ("addr", 20))
+SIGNIN_WINDOW = 15 * 60
+SIGNIN_DELAY = 30.0
+
+
+def signin_subjects(user: str | None, address: str) -> list[tuple[str, int]]:
+    """The (subject, failure limit) pairs a login attempt counts against: the user name (None: not a
+    valid user name) and the client address."""
+    values = {"user": user or "?", "addr": address}
+    return [(f"{kind}:{values[kind]}", limit) for kind, limit in SIGNIN_LIMITS]
+
+
+def client_address(scope: dict) -> str:  # type: ignore[type-arg]
+    """The client's IP address from an ASGI scope ("-" if unknown)."""
+    client = scope.get("client")
+    return str(client[0]) if client else "-"

@@ -91,6 +91,13 @@ class Conflict(ApiError):
     code = "conflict"
 
 
+class TooManyAttempts(ApiError):
+    """429: too many failed logins for this user name or client address; ``retry_after`` says when to retry."""
+
+    status = 429
+    code = "too_many_attempts"
+
+
 class TooLarge(ApiError):
     """413: the request body exceeds the limit for this endpoint."""
 

@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from isrctl.remote import (AccessDenied, AuthenticationFailed, CertificateMismatch, ChunksMissing, LockHeld,
-                           LockLost, Remote, RemoteConflict, RemoteNotFound, RequestRejected, VersionConflict)
+                           LockLost, Remote, RemoteConflict, RemoteError, RemoteNotFound, RequestRejected,
+                           VersionConflict)
 from tests.server_fixtures import LOCK_LEASE, ServerEnv, postgres_dsn, s3_server, server_env, wait_until  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
@@ -85,6 +86,24 @@ def test_pinned_fingerprint_is_checked(server_env: ServerEnv) -> None:
     with pytest.raises(Exception):
         with Remote(server_env.server.url) as client:  # system CAs do not trust the self-signed certificate
             client.health()
+
+
+def test_login_is_throttled_after_failures(server_env: ServerEnv) -> None:
+    """Five wrong passwords for one user: the next login, even with the right password, gets 429 with a
+    Retry-After, and the web sign-in counts the same failures."""
+    server_env.admin("user", "add", "mallory", "--password-file", "-", input_text="mallory-password\n")
+    with httpx.Client(verify=False, timeout=30) as http:
+        def login(password: str) -> httpx.Response:
+            return http.post(f"{server_env.server.url}/v1/login", json={"user": "mallory", "password": password})
+        for _ in range(5):
+            assert login("wrong").status_code == 401
+        refused = login("mallory-password")
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["code"] == "too_many_attempts"
+        assert 0 < int(refused.headers["retry-after"]) <= 15 * 60
+    with server_env.client() as client:
+        with pytest.raises(RemoteError, match="too many failed logins"):
+            client.login("mallory", "mallory-password")
 
 
 def test_login_tokens_logout(server_env: ServerEnv) -> None:

@@ -290,9 +290,9 @@ class WebPages:
         if not sessions.same_token(form.get("csrf"), sessions.cookies(request).get(sessions.SIGNIN_COOKIE, "")):
             return self.signin_page(request, 403, "The sign-in form had expired. Please sign in again.", shown_user)
         valid_name = names.USER_RE.fullmatch(user) is not None
-        limits = sessions.signin_subjects(user if valid_name else None, sessions.client_address(request))
+        limits = auth.signin_subjects(user if valid_name else None, auth.client_address(request.scope))
         subjects = [subject for subject, _ in limits]
-        wait = await self.run(self.meta.signin_wait, limits, sessions.SIGNIN_WINDOW, sessions.SIGNIN_DELAY)
+        wait = await self.run(self.meta.signin_wait, limits, auth.SIGNIN_WINDOW, auth.SIGNIN_DELAY)
         if wait > 0:
             minutes = max(1, round(wait / 60))
             return self.signin_page(request, 429, f"Too many failed sign-ins. Try again in {minutes} minute(s).",
@@ -302,7 +302,7 @@ class WebPages:
         ok = len(password.encode()) <= auth.MAX_PASSWORD_BYTES and await self.run(auth.verify_password, password,
                                                                                    stored)
         if not found or not ok:
-            await self.run(self.meta.signin_failed, subjects, sessions.SIGNIN_WINDOW)
+            await self.run(self.meta.signin_failed, subjects, auth.SIGNIN_WINDOW)
             log.warning("failed web sign-in for user %r from %s", user[:40], request.remote)
             return self.signin_page(request, 401, "Wrong user name or password.", shown_user)
         await self.run(self.meta.signin_succeeded, subjects[0])

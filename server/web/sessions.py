@@ -7,7 +7,7 @@
   sign-in form, which has no session yet, carries the value of a second cookie, ``__Host-isr_signin``
   (double submit), so another site cannot sign a browser in to an account of its choosing.
 - Failed sign-ins are counted in the database per user name and per client address, so the limit holds
-  across worker processes and servers (see `SIGNIN_LIMITS`).
+  across worker processes and servers, together with the API's logins (see `server.auth.SIGNIN_LIMITS`).
 """
 from __future__ import annotations
 
@@ -23,13 +23,6 @@ if TYPE_CHECKING:
 SESSION_COOKIE = "__Host-isr_session"
 SIGNIN_COOKIE = "__Host-isr_signin"
 SIGNIN_COOKIE_SECONDS = 3600
-
-#: (subject prefix, failures before sign-ins are delayed). After `limit` failures within
-#: `SIGNIN_WINDOW` seconds the next try must wait `SIGNIN_DELAY` seconds, doubled after each further
-#: failure, at most `SIGNIN_WINDOW`. The per-address limit is higher: many people may share one address.
-SIGNIN_LIMITS = (("user", 5), ("addr", 20))
-SIGNIN_WINDOW = 15 * 60
-SIGNIN_DELAY = 30.0
 
 
 _TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{16,128}")
@@ -96,15 +89,3 @@ def same_origin(request: "Request") -> bool:
         return False
     parts = urllib.parse.urlsplit(referer)
     return f"{parts.scheme}://{parts.netloc}".lower() == expected
-
-
-def signin_subjects(user: str | None, address: str) -> list[tuple[str, int]]:
-    """The (subject, failure limit) pairs a sign-in attempt counts against: the user name (None: not a
-    valid user name) and the client address."""
-    values = {"user": user or "?", "addr": address}
-    return [(f"{kind}:{values[kind]}", limit) for kind, limit in SIGNIN_LIMITS]
-
-
-def client_address(request: "Request") -> str:
-    client = request.scope.get("client")
-    return str(client[0]) if client else "-"
