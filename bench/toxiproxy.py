@@ -60,6 +60,10 @@ class Proxy:
     def address(self) -> str:
         return f"{self.listen[0]}:{self.listen[1]}"
 
+    def remove(self) -> None:
+        """Stop and delete this proxy (absent is fine)."""
+        self.api.delete(f"/proxies/{self.name}")
+
 
 class Toxiproxy:
     """A toxiproxy server on loopback, stopped on exit."""

@@ -74,13 +74,14 @@ def netns() -> Iterator[None]:
         run("ip", "netns", "del", NETNS, check=False)
 
 
-def link_bandwidth(seconds: float = 4.0) -> float:
-    """Measured bulk TCP goodput from the namespace to the host, in Mbit/s (one connection)."""
+def link_bandwidth(seconds: float = 4.0, *, namespace: str = NETNS, ns_addr: str = NS_ADDR) -> float:
+    """Measured bulk TCP goodput from the network namespace ``namespace`` (address ``ns_addr``) to the host,
+    in Mbit/s (one connection)."""
     port = 5399
     sender = subprocess.Popen(
-        ["ip", "netns", "exec", NETNS, sys.executable, "-c",
+        ["ip", "netns", "exec", namespace, sys.executable, "-c",
          "import socket,time\n"
-         f"s=socket.create_server(('{NS_ADDR}',{port}));c,_=s.accept();buf=b'x'*65536\n"
+         f"s=socket.create_server(('{ns_addr}',{port}));c,_=s.accept();buf=b'x'*65536\n"
          f"end=time.monotonic()+{seconds + 2}\n"
          "try:\n while time.monotonic()<end: c.sendall(buf)\nexcept OSError: pass\n"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -88,7 +89,7 @@ def link_bandwidth(seconds: float = 4.0) -> float:
         deadline = time.monotonic() + 10
         while True:
             try:
-                conn = socket.create_connection((NS_ADDR, port), timeout=5)
+                conn = socket.create_connection((ns_addr, port), timeout=5)
                 break
             except OSError:
                 if time.monotonic() > deadline:

@@ -1,0 +1,570 @@
+#!/usr/bin/env python3
+"""The benchmark matrix of issues 5 and 7: ISR policies x link rate x added RTT x guest RAM, and the peers.
+
+Every ISR policy × link rate × added round-trip time × guest RAM size, the peers on the same links, hoard and
+checkin throughput, the chunksim model's predictions and the seeds' own figures, in one run.
+
+    .venv/bin/python bench/matrix.py --quick          # a few minutes: 10 Mbit/s, 20 ms, demand and proactive
+    .venv/bin/python bench/matrix.py --full           # everything (about 2.5 hours; see bench/README.md)
+        [--rates 100,10,1] [--rtts 0,50] [--policies demand,...] [--ram 256,1024]
+        [--peers qemu-curl,...|--no-peers] [--json FILE] [--no-update] [--timeout S] [--keep]
+    .venv/bin/python bench/matrix.py --report FILE.json [--no-update]   # the sections again, from raw results
+
+`./bootstrap bench ARGS` installs toxiproxy and nbdkit first, then runs this. Needs root. Not part of the
+test suite.
+
+How it measures (doc/isrctl.md has the ISR timeline t1..t5):
+
+- One real isr-server in the host namespace; two sites, each in its own network namespace behind a veth pair
+  shaped with tbf to the link rate in both directions. Between each site and the server a toxiproxy proxy
+  listens on the site's host-side address and adds the round-trip time (half each way); the site's `isr`
+  (and its vulpes) talk to the server only through it.
+- The local baseline, once per run and RAM size: the same guest from a local copy of its disk, no network
+  and no vulpes, runs the workload twice after a cold boot; the second run is T_local (site B's workload is
+  the guest's second run too) and its block trace (QEMU trace events) feeds the chunksim policy model and
+  the chunk-size table.
+- Per link rate: the bulk TCP goodput of the link (one connection, namespace to host, no proxy).
+- Per rate, RTT and RAM size: site A resumes a fresh parcel (a cold boot, demand fetch), runs the workload,
+  suspends and checks in (t2); then, for each policy, a fresh site B (empty cache) hoards if the policy wants
+  it (t3), resumes (t4: what `isr resume` reports, and until the guest first answers on its console), runs
+  the workload (t5), suspends without checkin and gives the lock back, so the next policy's B resumes the
+  same version. Only eager writeback needs its own site A run (it trickles during t1).
+- Bytes are counted on the site's veth (everything that crossed the link, headers included) and by vulpes
+  (chunk objects fetched).
+- Per rate and RTT, at the first RAM size: the peers (bench/peers.py) on site B's link, through their own
+  proxy with the same RTT.
+
+Every cell runs in try/except: a failure is recorded as "failed: reason" and the matrix goes on. Raw results
+go to --json (default: next to the work directory, /var/tmp/isr-matrix-*.json).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from toxiproxy import Proxy, Toxiproxy
+from vulpes_common import link_bandwidth, machine, today
+
+import matrix_report  # noqa: E402
+from isrctl.policy import POLICIES as ISR_POLICIES  # noqa: E402
+from parcels.guest import GuestArtifacts, booted_guest, build, copy_disk  # noqa: E402
+from tests.isr_fixtures import IsrEnv, NetSite, Parcel, Site, shaped_namespaces, start_isr_env  # noqa: E402
+from tools.chunksim.capture import (data_ranges_at, read_qemu_log, scan_data_ranges,  # noqa: E402
+                                    trace_arguments, window)
+from tools.chunksim.policy import PolicyParams, predict, stored_disk_bytes  # noqa: E402
+from tools.chunksim.trace import Trace, format_ranges  # noqa: E402
+
+try:
+    import peers as peer_bench
+except ImportError:  # bench/peers.py is optional: without it the peers are reported as not run
+    peer_bench = None  # type: ignore[assignment]
+
+POLICIES = list(ISR_POLICIES)
+ALL_PEERS: tuple[str, ...] = peer_bench.PEERS if peer_bench else ("qemu-curl", "nbdkit-curl", "copy-in")
+MODES: dict[str, dict[str, list[Any]]] = {
+    "quick": {"rates": [10], "rtts": [20], "policies": ["demand", "proactive"], "ram": [256],
+              "peers": ["qemu-curl"]},
+    "full": {"rates": [100, 10, 1], "rtts": [0, 50], "policies": POLICIES, "ram": [256, 1024],
+             "peers": list(ALL_PEERS)},
+}
+#: In --full mode, links this slow (Mbit/s) run only the first RTT: a cell there takes about 12 minutes, and
+#: an RTT of tens of milliseconds is lost in transfers of minutes (an explicit --rtts applies to every rate).
+FULL_ONE_RTT_AT_OR_BELOW = 1
+MIB = 1 << 20
+#: A failure's reason in a table: its first line, this long at most.
+REASON_CHARS = 160
+CELL_FAILURES = (Exception, pytest.fail.Exception)
+
+
+def say(text: str) -> None:
+    print(f"[matrix {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def reason(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    first = lines[0] if lines else type(exc).__name__
+    return first[:REASON_CHARS]
+
+
+def attempt(what: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``fn()``, or {"status": "failed: reason", "error": details} if it raises; never raises but ^C."""
+    try:
+        result = fn()
+        result.setdefault("status", "ok")
+        return result
+    except CELL_FAILURES as exc:
+        say(f"{what}: failed: {reason(exc)}")
+        return {"status": f"failed: {reason(exc)}", "error": f"{exc}\n{traceback.format_exc()}"[-6000:]}
+
+
+# --- what crossed a link ------------------------------------------------------------------------------------
+
+class LinkCounter:
+    """Bytes on a site's veth, counted by the kernel on the host side: ``down`` went to the site, ``up``
+    came from it (headers and TLS included)."""
+
+    def __init__(self, net: NetSite) -> None:
+        self.stats = Path("/sys/class/net") / net.host_if / "statistics"
+        self.down0, self.up0 = self._read()
+
+    def _read(self) -> tuple[int, int]:
+        return int((self.stats / "tx_bytes").read_text()), int((self.stats / "rx_bytes").read_text())
+
+    def delta(self) -> tuple[int, int]:
+        """(down, up) since this counter was made."""
+        down, up = self._read()
+        return down - self.down0, up - self.up0
+
+
+# --- parsing what isr prints ------------------------------------------------------------------------------------
+
+def number_after(pattern: str, text: str) -> float | None:
+    match = re.search(pattern, text)
+    return float(match.group(1)) if match else None
+
+
+def resume_phases(text: str) -> dict[str, float]:
+    """The phase times `isr resume` prints: '... resumed in 1.2 s (t4, policy P: lock 0.05 s, ...)'."""
+    match = re.search(r"\(t4, policy [^:]+: ([^)]*)\)", text)
+    if not match:
+        return {}
+    return {name.strip(): float(value) for name, value in re.findall(r"([^,]+?) ([0-9.]+) s", match.group(1))}
+
+
+def boot_file_bytes(text: str) -> int:
+    """The sealed sizes of the boot files a command fetched ('fetched boot file kernel: 12.5 MiB sealed')."""
+    return int(sum(float(x) for x in re.findall(r"fetched boot file \S+: ([0-9.]+) MiB sealed", text)) * MIB)
+
+
+def server_chunks(traces: Path, split: float) -> dict[str, dict[str, int]]:
+    """Chunks vulpes fetched from the server per image, before and after the wall-clock time ``split``, from
+    its access traces (vulpes/src/trace.c: '<time> <image> <index> <r|w> <source>')."""
+    counts: dict[str, dict[str, int]] = {}
+    for path in sorted(traces.glob("*.trace")):
+        for line in path.read_text(errors="replace").splitlines():
+            parts = line.split()
+            if line.startswith("#") or len(parts) < 5 or parts[4] != "server":
+                continue
+            when = "before" if float(parts[0]) < split else "after"
+            image = counts.setdefault(parts[1], {"before": 0, "after": 0})
+            image[when] += 1
+    return counts
+
+
+# --- the local baseline -------------------------------------------------------------------------------------
+
+def local_baseline(guest: GuestArtifacts, work: Path, ram: int, timeout: float) -> tuple[dict[str, Any], Trace]:
+    """The workload on a local copy of the disk (no network, no vulpes): a cold boot, the workload once
+    (as site A runs it), then again (as site B does), block-traced; returns the times and the second run's
+    trace (with the data ranges at its start, for the model)."""
+    work.mkdir(parents=True, exist_ok=True)
+    disk = copy_disk(guest.disk, work / "disk.img")
+    pristine = scan_data_ranges(disk)
+    log = work / "blk-trace.log"
+    with booted_guest(guest, disk, run_dir=work, name="local", ready_timeout=timeout, memory_mib=ram,
+                      extra_args=trace_arguments(log)) as booted:
+        started = time.monotonic()
+        check_workload(booted.console.run_workload(timeout=timeout), guest)
+        first = time.monotonic() - started
+        wall, started = time.time(), time.monotonic()
+        check_workload(booted.console.run_workload(timeout=timeout), guest)
+        second = time.monotonic() - started
+        end = time.time()
+        boot = booted.boot_seconds
+    with open(log, encoding="utf-8", errors="replace") as f:
+        records = read_qemu_log(f)
+    trace = Trace(name=f"testwork-local-{ram}M", accesses=window(records, wall, end), metadata={
+        "workload": "testwork (run.sh), second run after a cold boot", "image": "disk",
+        "image_size": str(disk.stat().st_size), "data_ranges": format_ranges(data_ranges_at(pristine, records, wall))})
+    disk.unlink()
+    return {"boot_s": boot, "workload_first_s": first, "workload_s": second, "trace_requests": len(trace.accesses),
+            "trace_seconds": trace.duration}, trace
+
+
+def check_workload(result: dict[str, str], guest: GuestArtifacts) -> None:
+    if result.get("digest") != guest.expected.digest:
+        raise RuntimeError(f"the workload's digest {result.get('digest')} is not {guest.expected.digest}")
+
+
+# --- ISR: site A and site B -------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def site(env: IsrEnv, name: str, root: Path, net: NetSite, server: str, parcel: Parcel,
+         timeout: float) -> Iterator[Site]:
+    """A logged-in site that talks to the server through ``server``; afterwards everything it started is
+    killed, its hold on the parcel (lock, local state) is given up, so the next site can resume, and its
+    chunk cache is removed (a full run makes a hundred sites); its logs and traces are kept in root/logs."""
+    made = Site(name, root, env, net, server=server)
+    try:
+        made.login()
+        yield made
+    finally:
+        made.cleanup()
+        keep_logs(made.state_dir(parcel), root / "logs")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            if made.isr("clean", "--force", "--yes", parcel.name, check=False, timeout=timeout).returncode:
+                made.isr("lock", parcel.name, "--force", "--yes", "--reason", "bench/matrix.py: a failed site",
+                         check=False, timeout=timeout)
+        shutil.rmtree(root / "cache", ignore_errors=True)
+
+
+def keep_logs(state: Path, dest: Path) -> None:
+    """Copy a parcel's session, vulpes and QEMU logs and its access traces out of its state directory (which
+    `isr clean` removes)."""
+    for name in ("session.log", "vulpes.log", "qemu/vm.log", "qemu/console.log", "traces"):
+        source = state / name
+        target = dest / name.replace("/", "-")
+        dest.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            if source.is_dir():
+                shutil.copytree(source, target, dirs_exist_ok=True)
+            elif source.exists():
+                shutil.copyfile(source, target)
+
+
+def run_site_a(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, net: NetSite, server: str,
+               policy: str, timeout: float) -> dict[str, Any]:
+    """Site A: resume (a cold boot of version 1), the workload, a RAM token, suspend and check in (t2)."""
+    with site(env, "A", root, net, server, parcel, timeout) as a:
+        link = LinkCounter(net)
+        started = time.monotonic()
+        out = a.isr("resume", parcel.name, "--detach", "--vnc", "unix", "--keyfile", str(parcel.keyfile),
+                    "--policy", policy, timeout=timeout).stdout
+        with a.console(parcel) as console:
+            console.wait_ready(timeout)
+            boot = time.monotonic() - started
+            started = time.monotonic()
+            check_workload(console.run_workload(timeout=timeout), guest)
+            workload = time.monotonic() - started
+            console.set_token()
+        work_down = link.delta()[0]
+        link = LinkCounter(net)
+        started = time.monotonic()
+        suspend = a.isr("suspend", parcel.name, timeout=timeout).stdout
+        a.wait_session_end(parcel, timeout=timeout)
+        t2 = time.monotonic() - started
+        down, up = link.delta()
+    safe = number_after(r"safe at this site after ([0-9.]+) s", suspend)
+    devstate = number_after(r"device state [0-9.]+ MiB \(([0-9.]+) MiB sealed\)", suspend)
+    with env.server.client("alice") as client:
+        versions = client.versions(parcel.id)["versions"]
+    stored = next((int(v.get("chunk_bytes") or 0) for v in versions if int(v["version"]) == 2), 0)
+    upload_s = t2 - safe if safe is not None else None
+    return {"policy_a": policy, "boot_s": boot, "t4_boot": number_after(r"booted cold in ([0-9.]+) s", out),
+            "workload_a_s": workload, "t2": t2, "t2_safe": safe, "checkin_s": upload_s, "checkin_link_bytes": up,
+            "t2_link_down_bytes": down, "t1_link_down_bytes": work_down, "boot_file_bytes": boot_file_bytes(out),
+            "devstate_sealed_bytes": int((devstate or 0) * MIB), "version_chunk_bytes": stored}
+
+
+def run_site_b(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, net: NetSite, server: str,
+               policy: str, timeout: float) -> dict[str, Any]:
+    """A fresh site B: hoard (t3) if the policy wants it, resume (t4), the workload (t5), suspend locally."""
+    result: dict[str, Any] = {}
+    with site(env, f"B-{policy}", root, net, server, parcel, timeout) as b:
+        if ISR_POLICIES[policy].expects_hoard:
+            link = LinkCounter(net)
+            started = time.monotonic()
+            b.isr("hoard", parcel.name, "--keyfile", str(parcel.keyfile),
+                  *(["--working-set"] if policy == "eager-ws" else []), timeout=timeout)
+            result["t3"] = time.monotonic() - started
+            result["t3_link_bytes"] = link.delta()[0]
+        link = LinkCounter(net)
+        started = time.monotonic()
+        out = b.isr("resume", parcel.name, "--detach", "--vnc", "unix", "--keyfile", str(parcel.keyfile),
+                    "--policy", policy, timeout=timeout).stdout
+        result["t4_command"] = time.monotonic() - started
+        with b.console(parcel) as console:
+            console.run("true", timeout=timeout)
+            result["t4_responsive"] = time.monotonic() - started
+            answered = time.time()
+            result["t4_link_bytes"] = link.delta()[0]
+            link = LinkCounter(net)
+            started = time.monotonic()
+            check_workload(console.run_workload(timeout=timeout), guest)
+            result["workload_b_s"] = time.monotonic() - started
+        result["t5_link_bytes"] = link.delta()[0]
+        status = b.stat(parcel).get("session_status") or {}
+        result["vulpes_fetched_bytes"] = int(status.get("vulpes", {}).get("fetch", {}).get("bytes", 0))
+        b.isr("suspend", parcel.name, "--no-checkin", timeout=timeout)
+        b.wait_session_end(parcel, timeout=timeout)
+        result["server_chunks"] = server_chunks(b.state_dir(parcel) / "traces", answered)
+    result["t4"] = number_after(r"resumed in ([0-9.]+) s", out)
+    result["t4_phases"] = resume_phases(out)
+    result["boot_file_bytes_b"] = boot_file_bytes(out)
+    return result
+
+
+def run_isr_group(env: IsrEnv, guest: GuestArtifacts, work: Path, nets: list[NetSite], servers: list[str],
+                  key: dict[str, Any], policies: list[str], timeout: float) -> list[dict[str, Any]]:
+    """One site A run and the site B runs that follow it; one cell per policy (A's failure fails them all)."""
+    a_policy = "eager-writeback" if policies == ["eager-writeback"] else "demand"
+    tag = f"{key['rate']}m-{key['rtt']}ms-{key['ram']}M-{a_policy}"
+    root = work / tag
+    say(f"{tag}: site A ({a_policy}) boots, runs the workload, suspends and checks in")
+
+    def make_a() -> dict[str, Any]:
+        parcel = env.make_parcel(f"m-{tag}-{int(time.time()) % 100000}", ram_mib=key["ram"])
+        return {"parcel": parcel, **run_site_a(env, guest, parcel, root / "A", nets[0], servers[0], a_policy,
+                                                timeout)}
+
+    a = attempt(f"{tag} site A", make_a)
+    parcel = a.pop("parcel", None)
+    if a["status"] == "ok":
+        say(f"{tag}: A booted in {a['boot_s']:.1f} s, workload {a['workload_a_s']:.1f} s, t2 {a['t2']:.1f} s "
+            f"(safe after {a['t2_safe']} s), {a['checkin_link_bytes'] / MIB:.1f} MiB up")
+    cells = []
+    for policy in policies:
+        cell: dict[str, Any] = {**key, "policy": policy, "site_a": {k: v for k, v in a.items() if k != "error"}}
+        if a["status"] != "ok" or parcel is None:
+            cell.update(status=f"failed: site A: {a['status'].removeprefix('failed: ')}", error=a.get("error"))
+        else:
+            say(f"{tag}: site B, policy {policy}")
+            cell.update(attempt(f"{tag} {policy}", lambda policy=policy: run_site_b(
+                env, guest, parcel, root / f"B-{policy}", nets[1], servers[1], policy, timeout)))
+            if cell["status"] == "ok":
+                t3 = f"{cell['t3']:.1f} s" if cell.get("t3") is not None else "-"
+                say(f"{tag} {policy}: t3 {t3}, t4 {cell['t4']} s (the guest answered after "
+                    f"{cell['t4_responsive']:.1f} s), workload {cell['workload_b_s']:.1f} s, "
+                    f"{(cell['t4_link_bytes'] + cell['t5_link_bytes']) / MIB:.1f} MiB down")
+        cells.append(cell)
+    return cells
+
+
+# --- the model's predictions -------------------------------------------------------------------------------
+
+def add_prediction(cell: dict[str, Any], trace: Trace | None, local: dict[str, Any] | None,
+                   goodput_mbit: float | None) -> None:
+    """The chunksim policy model's t2, t3, t4 and t5 for this cell's link, RTT and state sizes."""
+    a = cell.get("site_a") or {}
+    if cell.get("status") != "ok" or trace is None or local is None or not goodput_mbit:
+        return
+    try:
+        disk = a.get("version_chunk_bytes") or stored_disk_bytes(trace, 128 << 10) or 1
+        params = PolicyParams(bandwidth=goodput_mbit * 1e6 / 8, rtt=cell["rtt"] / 1000, disk_size=disk,
+                              memory_size=a.get("boot_file_bytes", 0) + a.get("devstate_sealed_bytes", 0),
+                              site2_synced=False)
+        [p] = predict(trace, params, policies=[cell["policy"]])
+    except Exception as exc:  # noqa: BLE001 - a model that cannot run is a note, not a failed cell
+        cell["prediction"] = {"error": reason(exc)}
+        return
+    cell["prediction"] = {"t2": p.t2, "t3": p.t3, "t4": p.resume_latency, "stall": p.stall,
+                          "workload_b_s": local["workload_s"] + p.stall, "demand_fetches": p.demand_fetches,
+                          "demand_bytes": p.demand_bytes, "params": {
+                              "bandwidth_bytes_s": params.bandwidth, "rtt_s": params.rtt,
+                              "disk_size": params.disk_size, "memory_size": params.memory_size,
+                              "chunk_size": params.chunk_size, "launch": params.launch}}
+
+
+# --- peers ------------------------------------------------------------------------------------------------------
+
+def run_peers(origin: Any, toxi: Toxiproxy, net: NetSite, key: dict[str, Any], peers: list[str], work: Path,
+              guest: GuestArtifacts) -> list[dict[str, Any]]:
+    """Each peer on site B's link, through a proxy with the same RTT to the origin."""
+    out = []
+    proxy = toxi.proxy(f"peer-{net.name}-{key['rtt']}", listen=(net.host_ip, 0), upstream=origin.address)
+    try:
+        proxy.set_rtt(key["rtt"])
+        for peer in peers:
+            say(f"{key['rate']} Mbit/s, {key['rtt']} ms: peer {peer}")
+
+            def one(peer: str = peer) -> dict[str, Any]:
+                peer_work = work / f"peer-{peer}-{key['rate']}m-{key['rtt']}ms"
+                peer_work.mkdir(parents=True, exist_ok=True)
+                link = LinkCounter(net)
+                result = peer_bench.measure_peer(peer, origin, site=net, host=net.host_ip, port=proxy.listen[1],
+                                                 work=peer_work, guest=guest, ram_mib=key["ram"])
+                return {"resume_s": result.resume_s, "workload_s": result.workload_s,
+                        "fetch_s": getattr(result, "fetch_s", None), "http_bytes": result.link_bytes,
+                        "link_bytes": link.delta()[0], "note": result.note}
+
+            cell = {**key, "peer": peer, **attempt(f"peer {peer}", one)}
+            if cell["status"] == "ok":
+                say(f"peer {peer}: resume {cell['resume_s']:.1f} s, workload {cell['workload_s']:.1f} s, "
+                    f"{cell['link_bytes'] / MIB:.1f} MiB")
+            out.append(cell)
+    finally:
+        proxy.remove()
+    return out
+
+
+# --- the run ----------------------------------------------------------------------------------------------------
+
+def int_list(text: str) -> list[int]:
+    """'100,10,10' -> [100, 10]: each value once, in order."""
+    return list(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+
+
+def name_list(text: str, known: list[str] | tuple[str, ...], what: str) -> list[str]:
+    names = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"matrix: unknown {what} {unknown[0]!r}: choose from {', '.join(known)}")
+    return names
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_const", dest="mode", const="quick",
+                      help="a few minutes: 10 Mbit/s, 20 ms, demand and proactive, 256 MiB, qemu-curl (default)")
+    mode.add_argument("--full", action="store_const", dest="mode", const="full",
+                      help="rates 100,10,1 x RTT 0,50 ms x every policy x RAM 256,1024 MiB, every peer")
+    parser.add_argument("--rates", help="link rates in Mbit/s, comma-separated (overrides the mode)")
+    parser.add_argument("--rtts", help="added round-trip times in ms, comma-separated (0: the proxy adds none)")
+    parser.add_argument("--policies", help=f"comma-separated subset of {', '.join(POLICIES)}")
+    parser.add_argument("--ram", help="guest RAM sizes in MiB, comma-separated")
+    parser.add_argument("--peers", help=f"comma-separated subset of {', '.join(ALL_PEERS)}")
+    parser.add_argument("--no-peers", action="store_true", help="skip the peers")
+    parser.add_argument("--json", type=Path, help="write the raw results here (default: WORK.json)")
+    parser.add_argument("--no-update", action="store_true", help="do not write BENCHMARKS.md")
+    parser.add_argument("--timeout", type=float,
+                        help="seconds any one step may take (default 600 + 1200 / rate in Mbit/s)")
+    parser.add_argument("--work", type=Path, help="work directory (default: a new one under /var/tmp)")
+    parser.add_argument("--report", type=Path, metavar="JSON",
+                        help="measure nothing: write the sections from the raw results of an earlier run")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the work directory (logs, traces); it is kept anyway when a cell failed")
+    args = parser.parse_args(argv)
+    args.mode = args.mode or "quick"
+    preset = MODES[args.mode]
+    overridden = any(getattr(args, name) for name in ("rates", "rtts", "policies", "ram", "peers")) or args.no_peers
+    args.rates = int_list(args.rates) if args.rates else preset["rates"]
+    args.explicit_rtts = bool(args.rtts)
+    args.rtts = int_list(args.rtts) if args.rtts else preset["rtts"]
+    args.ram = int_list(args.ram) if args.ram else preset["ram"]
+    args.policies = name_list(args.policies, POLICIES, "policy") if args.policies else preset["policies"]
+    args.peers = [] if args.no_peers else (name_list(args.peers, ALL_PEERS, "peer") if args.peers
+                                           else preset["peers"])
+    args.label = f"{args.mode} mode{' with overrides' if overridden else ''}"
+    if not args.rates or any(r <= 0 for r in args.rates) or any(r < 0 for r in args.rtts) or not args.rtts:
+        raise SystemExit("matrix: rates must be > 0 Mbit/s and RTTs >= 0 ms")
+    return args
+
+
+def report(results: dict[str, Any], update: bool) -> None:
+    sections = matrix_report.sections(results)
+    for title, body in sections.items():
+        print(f"\n## {title}\n\n{body}")
+    if update:
+        matrix_report.write(sections)
+        say("BENCHMARKS.md updated")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.report:
+        report(json.loads(args.report.read_text()), not args.no_update)
+        return 0
+    command = "bench/matrix.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    work = args.work or Path(tempfile.mkdtemp(prefix="isr-matrix-", dir="/var/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    json_path = args.json or work.with_name(f"{work.name}.json")
+    results: dict[str, Any] = {
+        "meta": {"machine": machine(), "date": today(), "command": command, "mode": args.label,
+                 "rates": args.rates, "rtts": args.rtts, "policies": args.policies, "ram": args.ram,
+                 "peers": args.peers, "work": str(work)},
+        "local": {}, "links": {}, "cells": [], "peers": [], "notes": []}
+    say(f"{command}: work directory {work}")
+    if args.peers and peer_bench is None:
+        results["notes"].append("peers not run: bench/peers.py is not there")
+        args.peers = []
+    guest = build("small")
+    started = time.monotonic()
+    traces: dict[int, Trace] = {}
+    try:
+        for ram in args.ram:
+            say(f"local baseline, {ram} MiB RAM")
+            timeout = args.timeout or 600
+
+            def local(ram: int = ram) -> dict[str, Any]:
+                times, traces[ram] = local_baseline(guest, work / f"local-{ram}M", ram, timeout)
+                return times
+
+            results["local"][str(ram)] = attempt(f"local baseline {ram} MiB", local)
+            say(f"local baseline {ram} MiB: {results['local'][str(ram)]}")
+        run_matrix(args, guest, work, results, traces)
+    except KeyboardInterrupt:
+        results["notes"].append("interrupted (^C): the results are partial")
+        say("interrupted: writing what was measured")
+    finally:
+        results["meta"]["seconds"] = round(time.monotonic() - started)
+        results["chunk_sizes"] = attempt("chunk sizes", lambda: matrix_report.chunk_sizes(traces))
+        json_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        say(f"raw results: {json_path}")
+    report(results, not args.no_update)
+    failed = [c for c in results["cells"] + results["peers"] if c.get("status") != "ok"]
+    if args.keep or failed:
+        say(f"kept {work} (logs of every site{', and of the failures' if failed else ''})")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def rtts_for(args: argparse.Namespace, rate: int, results: dict[str, Any]) -> list[int]:
+    """The RTTs to run at ``rate`` (see FULL_ONE_RTT_AT_OR_BELOW)."""
+    if args.mode != "full" or args.explicit_rtts or rate > FULL_ONE_RTT_AT_OR_BELOW or len(args.rtts) == 1:
+        return args.rtts
+    results["notes"].append(f"at {rate} Mbit/s only RTT +{args.rtts[0]} ms was run (full mode: a cell takes about "
+                            f"12 minutes there, and the added RTT is small next to its transfers)")
+    return args.rtts[:1]
+
+
+def run_matrix(args: argparse.Namespace, guest: GuestArtifacts, work: Path, results: dict[str, Any],
+               traces: dict[int, Trace]) -> None:
+    env = start_isr_env(None, work / "isr", guest)  # type: ignore[arg-type]
+    try:
+        with Toxiproxy.start() as toxi, contextlib.ExitStack() as stack:
+            origin = stack.enter_context(peer_bench.peer_origin(guest, work / "origin")) if args.peers else None
+            for rate in args.rates:
+                timeout = args.timeout or 600 + 1200 / rate
+                with shaped_namespaces(2, rate=f"{rate}mbit") as nets:
+                    goodput = attempt(f"link goodput {rate} Mbit/s", lambda: {"goodput_mbit": link_bandwidth(
+                        namespace=nets[0].name, ns_addr=nets[0].ns_ip)})
+                    results["links"][str(rate)] = goodput
+                    say(f"{rate} Mbit/s link: {goodput}")
+                    proxies: list[Proxy] = []
+                    try:
+                        for i, net in enumerate(nets):
+                            proxies.append(toxi.proxy(f"isr-{net.name}", listen=(net.host_ip, 0),
+                                                      upstream=("127.0.0.1", env.port)))
+                        for rtt in rtts_for(args, rate, results):
+                            for proxy in proxies:
+                                proxy.set_rtt(rtt)
+                            for ram in args.ram:
+                                key = {"rate": rate, "rtt": rtt, "ram": ram}
+                                groups = [[p for p in args.policies if p != "eager-writeback"],
+                                          [p for p in args.policies if p == "eager-writeback"]]
+                                for policies in (g for g in groups if g):
+                                    cells = run_isr_group(env, guest, work, nets, [p.address for p in proxies],
+                                                          key, policies, timeout)
+                                    for cell in cells:
+                                        add_prediction(cell, traces.get(ram), results["local"].get(str(ram)),
+                                                       goodput.get("goodput_mbit"))
+                                    results["cells"] += cells
+                            if origin is not None:
+                                results["peers"] += run_peers(origin, toxi, nets[1],
+                                                              {"rate": rate, "rtt": rtt, "ram": args.ram[0]},
+                                                              args.peers, work, guest)
+                    finally:
+                        for proxy in proxies:
+                            with contextlib.suppress(Exception):
+                                proxy.remove()
+    finally:
+        env.server.server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,431 @@
+"""The BENCHMARKS.md sections of bench/matrix.py, made from its raw results (the --json it writes), and the
+chunk-size study of the traces. Every number here comes from the results, except the seed papers' figures,
+which come from bench/seed_figures.py and are labeled as transcribed.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from seed_figures import CHUNK_SIZE_STUDIES, FIGURES, SEED_001, SEED_003, SETUPS
+from vulpes_common import table, update_section
+
+from tools.chunksim.cache import DEFAULT_SIZES, sweep  # noqa: E402
+from tools.chunksim.trace import Trace, read_trace  # noqa: E402
+from tools.chunksim.units import format_size  # noqa: E402
+
+MIB = 1 << 20
+TRACES = Path(__file__).resolve().parent.parent / "tools" / "chunksim" / "traces"
+DASH = "–"
+
+TIMELINE = "isr: the ISR timeline per policy"
+RAM = "isr: resume latency and RAM size"
+THROUGHPUT = "isr: hoard and checkin throughput"
+PEERS = "isr: peers on the same links"
+MODEL = "isr: the policy model against the measurements"
+CHUNKS = "chunk size from the traces"
+SEEDS = "the seeds' figures beside ours"
+
+
+# --- numbers to text ----------------------------------------------------------------------------------------
+
+def num(value: Any, digits: int = 1) -> str:
+    return DASH if value is None else f"{value:.{digits}f}"
+
+
+def mib(value: Any) -> str:
+    return DASH if value is None else f"{value / MIB:.1f}"
+
+
+def rate_text(value: float) -> str:
+    """Mbit/s with two decimals below 10, else one."""
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}"
+
+
+def ratio(measured: Any, predicted: Any) -> str:
+    if measured is None or predicted is None:
+        return DASH
+    text = f"{measured:.1f} / {predicted:.1f}"
+    return f"{text} ({measured / predicted:.2f})" if predicted > 0 else text
+
+
+def mbit(nbytes: Any, seconds: Any) -> float | None:
+    return nbytes * 8 / seconds / 1e6 if nbytes is not None and seconds else None
+
+
+def slowdown(workload: Any, local: Any) -> str:
+    if workload is None or not local:
+        return DASH
+    return f"{workload / local:.2f}× ({(workload - local) / local * 100:+.0f} %)"
+
+
+def ok(cell: dict[str, Any]) -> bool:
+    return cell.get("status") == "ok"
+
+
+def link_name(rate: Any, rtt: Any) -> str:
+    return f"{rate} Mbit/s, RTT +{rtt} ms"
+
+
+def local_workload(results: dict[str, Any], ram: Any, key: str = "workload_s") -> float | None:
+    entry = results["local"].get(str(ram)) or {}
+    return entry.get(key) if entry.get("status") == "ok" else None
+
+
+def goodput(results: dict[str, Any], rate: Any) -> float | None:
+    entry = results["links"].get(str(rate)) or {}
+    return entry.get("goodput_mbit")
+
+
+def combos(cells: Iterable[dict[str, Any]], *fields: str) -> list[tuple[Any, ...]]:
+    seen: list[tuple[Any, ...]] = []
+    for cell in cells:
+        key = tuple(cell[f] for f in fields)
+        if key not in seen:
+            seen.append(key)
+    return seen
+
+
+def header(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    return (f"Machine: {meta['machine']}. Date: {meta['date']}. Command: `{meta['command']}` ({meta['mode']}, "
+            f"{meta.get('seconds', 0) / 60:.0f} min).")
+
+
+# --- the sections -------------------------------------------------------------------------------------------
+
+def sections(results: dict[str, Any]) -> dict[str, str]:
+    out = {TIMELINE: timeline(results)}
+    if len(results["meta"]["ram"]) > 1:
+        out[RAM] = ram_sizes(results)
+    out[THROUGHPUT] = throughput(results)
+    if results["peers"] or results["meta"]["peers"]:
+        out[PEERS] = peers(results)
+    out[MODEL] = model(results)
+    out[CHUNKS] = chunk_table(results.get("chunk_sizes") or {})
+    out[SEEDS] = seeds(results)
+    return out
+
+
+def write(made: dict[str, str]) -> None:
+    for title, body in made.items():
+        update_section(title, body)
+
+
+def timeline(results: dict[str, Any]) -> str:
+    local = ", ".join(
+        f"{ram} MiB RAM: boot {num(v.get('boot_s'))} s, workload {num(v.get('workload_first_s'))} s the first "
+        f"time and {num(v.get('workload_s'))} s the second" if v.get("status") == "ok" else f"{ram} MiB: {v['status']}"
+        for ram, v in results["local"].items())
+    links = ", ".join(f"{rate} Mbit/s: {rate_text(v['goodput_mbit'])}" if v.get("status") == "ok"
+                      else f"{rate} Mbit/s: {v['status']}" for rate, v in results["links"].items())
+    parts = [
+        "The ISR timeline (doc/isrctl.md) with the real `isr` command, measured by `bench/matrix.py`: one "
+        "isr-server, two sites in network namespaces behind veth links shaped with tbf to the link rate both "
+        "ways, and between each site and the server a toxiproxy proxy that adds the round-trip time (RTT +N ms; "
+        "the kernel here has no netem, so the delay is added to the data in user space and TCP's own round trip "
+        "stays short). The test guest (`parcels.guest` small: TCG, one vCPU, RAM in vulpes's memory image) runs "
+        "`run.sh`. Site A resumes a fresh parcel (a cold boot with demand fetch), runs the workload, suspends and "
+        "checks in (t2: `isr suspend` until the version is committed; in parentheses when the state was safe at "
+        "A). For each policy a fresh site B with an empty cache hoards if the policy wants it (t3: `isr hoard`), "
+        "resumes (t4: what `isr resume` reports, with its boot-file and hoard phases; then until the guest first "
+        "answers on its console), and runs the workload again (t5). Every B resumes the same version, so the "
+        "policies share one t2, except eager writeback, whose site A trickled its writes during t1. Slowdown is "
+        "the workload at B against the same workload's second run on a local copy of the disk (no network, no "
+        "vulpes) in the same run. MiB to B: what crossed B's link (headers included) during t3 / t4 / t5; vulpes: "
+        "the chunk objects it fetched by the end of t5.",
+        header(results),
+        f"Local baseline: {local or DASH}. Link goodput (one bulk TCP connection, no proxy, Mbit/s): "
+        f"{links or DASH}.",
+    ]
+    for note in results.get("notes", []):
+        parts.append(f"Note: {note}.")
+    head = ["policy", "RAM (MiB)", "t2 (s) (safe at A)", "t3: hoard (s)", "t4: isr resume (s) (boot files + hoard)",
+            "t4 until the guest answers (s)", "t5: workload at B (s)", "slowdown vs local", "MiB to B: t3 / t4 / t5",
+            "vulpes fetched (MiB)", "chunks fetched until the guest answered: memory / disk"]
+    for rate, rtt in combos(results["cells"], "rate", "rtt"):
+        rows = []
+        for cell in results["cells"]:
+            if (cell["rate"], cell["rtt"]) != (rate, rtt):
+                continue
+            a = cell.get("site_a") or {}
+            if not ok(cell):
+                rows.append([cell["policy"], str(cell["ram"]), cell["status"]] + [DASH] * (len(head) - 3))
+                continue
+            phases = cell.get("t4_phases") or {}
+            t2 = f"{num(a.get('t2'))} ({num(a.get('t2_safe'))})"
+            if cell["policy"] == "eager-writeback":
+                t2 += " own A"
+            rows.append([
+                cell["policy"], str(cell["ram"]), t2, num(cell.get("t3")),
+                f"{num(cell.get('t4'))} ({num(phases.get('boot files'))} + {num(phases.get('hoard'))})",
+                num(cell.get("t4_responsive")), num(cell.get("workload_b_s")),
+                slowdown(cell.get("workload_b_s"), local_workload(results, cell["ram"])),
+                " / ".join(mib(cell.get(f"{t}_link_bytes")) for t in ("t3", "t4", "t5")),
+                mib(cell.get("vulpes_fetched_bytes")), fetched_before(cell)])
+        parts.append(f"Link {link_name(rate, rtt)}:\n\n" + table(head, rows))
+    if not results["cells"]:
+        parts.append("No ISR cells were run.")
+    return "\n\n".join(parts)
+
+
+def fetched_before(cell: dict[str, Any]) -> str:
+    chunks = cell.get("server_chunks")
+    if chunks is None:
+        return DASH
+    return " / ".join(str(chunks.get(image, {}).get("before", 0)) for image in ("memory", "disk"))
+
+
+def ram_sizes(results: dict[str, Any]) -> str:
+    rams = results["meta"]["ram"]
+    head = ["link", "policy"] + [f"t4 (s), {r} MiB: isr / guest answers" for r in rams] + \
+        [f"memory / disk chunks fetched until the guest answered, {r} MiB" for r in rams] + \
+        [f"t2 (s), {r} MiB" for r in rams] + [f"vulpes fetched at B (MiB), {r} MiB" for r in rams]
+    rows = []
+    for rate, rtt, policy in combos(results["cells"], "rate", "rtt", "policy"):
+        by_ram = {c["ram"]: c for c in results["cells"] if (c["rate"], c["rtt"], c["policy"]) == (rate, rtt, policy)}
+        row = [link_name(rate, rtt), policy]
+        for key in ("t4", "before", "t2", "fetched"):
+            for r in rams:
+                cell = by_ram.get(r)
+                if cell is None or not ok(cell):
+                    row.append(DASH if cell is None else "failed")
+                elif key == "t4":
+                    row.append(f"{num(cell.get('t4'))} / {num(cell.get('t4_responsive'))}")
+                elif key == "before":
+                    row.append(fetched_before(cell))
+                elif key == "t2":
+                    row.append(num((cell.get("site_a") or {}).get("t2")))
+                else:
+                    row.append(mib(cell.get("vulpes_fetched_bytes")))
+        rows.append(row)
+    return ("Resume latency against the guest's RAM size (issue 5), from the same cells as the timeline above: "
+            "the guest's RAM lives in vulpes's memory image and is faulted in chunk by chunk after the resume, "
+            "so t4 should not grow with it; what does grow is what the guest dirtied in RAM (uploaded in t2, "
+            "fetched at B when touched, and everything a baseline or proactive hoard moves).\n\n"
+            f"{header(results)}\n\n" + table(head, rows))
+
+
+def throughput(results: dict[str, Any]) -> str:
+    head = ["link", "RAM (MiB)", "bulk TCP goodput (Mbit/s) (÷ rate)", "site A run",
+            "checkin: MiB up in s", "checkin Mbit/s (÷ rate, ÷ goodput)",
+            "hoard (proactive, `isr hoard`): MiB in s", "hoard Mbit/s (÷ rate, ÷ goodput)",
+            "baseline hoard in t4: MiB in s", "baseline Mbit/s (÷ rate, ÷ goodput)"]
+    rows = []
+
+    def fractions(rate_mbit: float | None, rate: float, good: float | None) -> str:
+        if rate_mbit is None:
+            return DASH
+        text = f"{rate_text(rate_mbit)} ({rate_mbit / rate:.2f}"
+        return f"{text}, {rate_mbit / good:.2f})" if good else f"{text})"
+
+    for rate, rtt, ram in combos(results["cells"], "rate", "rtt", "ram"):
+        cells = [c for c in results["cells"] if (c["rate"], c["rtt"], c["ram"]) == (rate, rtt, ram)]
+        good = goodput(results, rate)
+        good_text = f"{rate_text(good)} ({good / rate:.2f})" if good else DASH
+        hoard = next((c for c in cells if c["policy"] == "proactive" and ok(c)), None)
+        base = next((c for c in cells if c["policy"] == "baseline" and ok(c)), None)
+        hoard_rate = mbit(hoard.get("t3_link_bytes"), hoard.get("t3")) if hoard else None
+        base_s = None
+        if base:
+            phases = base.get("t4_phases") or {}
+            base_s = (phases.get("boot files") or 0) + (phases.get("hoard") or 0)
+        base_rate = mbit(base.get("t4_link_bytes"), base_s) if base else None
+        site_as = {}
+        for c in cells:
+            a = c.get("site_a") or {}
+            if a.get("status") == "ok":
+                site_as.setdefault(a["policy_a"], a)
+        for policy_a, a in site_as.items() or {"-": {}}.items():
+            up = mbit(a.get("checkin_link_bytes"), a.get("checkin_s"))
+            rows.append([link_name(rate, rtt), str(ram), good_text, policy_a,
+                         f"{mib(a.get('checkin_link_bytes'))} in {num(a.get('checkin_s'))}", fractions(up, rate, good),
+                         f"{mib(hoard.get('t3_link_bytes'))} in {num(hoard.get('t3'))}" if hoard else DASH,
+                         fractions(hoard_rate, rate, good),
+                         f"{mib(base.get('t4_link_bytes'))} in {num(base_s)}" if base else DASH,
+                         fractions(base_rate, rate, good)])
+    return ("Hoard and checkin throughput as fractions of the link, from the same cells as the timeline: bytes are "
+            "what crossed the site's veth (the kernel's counters on the host side, so TCP/IP, TLS and HTTP "
+            "overhead included) over the wall time of the step, divided by the tbf rate and by the goodput of "
+            "one bulk TCP connection over the same link measured at the start of the run (payload only, no proxy, "
+            "no added RTT). Checkin: site A's `isr suspend` from the moment the state was safe locally to the "
+            "commit (vulpes uploads the new chunk objects, then the keyrings, device state and manifest). Hoard: "
+            "`isr hoard` at B for the proactive policy (boot files first, then every chunk); baseline: the boot "
+            "files and hoard phases of its resume.\n\n" + header(results) + "\n\n" + table(head, rows))
+
+
+def peers(results: dict[str, Any]) -> str:
+    head = ["link", "system", "boot or resume until the guest answers (s)", "workload (s)", "slowdown vs local",
+            "MiB to the site", "note"]
+    rows = []
+    for rate, rtt in combos(results["peers"] + results["cells"], "rate", "rtt"):
+        first = local_workload(results, results["meta"]["ram"][0], "workload_first_s")
+        second = local_workload(results, results["meta"]["ram"][0])
+        ram = results["meta"]["ram"][0]
+        cells = [c for c in results["cells"] if (c["rate"], c["rtt"], c["ram"]) == (rate, rtt, ram)]
+        a = next((c["site_a"] for c in cells if c["policy"] != "eager-writeback" and c.get("site_a")
+                  and c["site_a"].get("status") == "ok"), None)
+        if a:
+            rows.append([link_name(rate, rtt), "isr (vulpes), site A: cold boot, demand fetch",
+                         num(a.get("boot_s")), num(a.get("workload_a_s")), slowdown(a.get("workload_a_s"), first),
+                         mib(a.get("t1_link_down_bytes")), "boot files fetched from the server (once per site)"])
+        for cell in cells:
+            if cell["policy"] in ("demand", "proactive") and ok(cell):
+                rows.append([link_name(rate, rtt), f"isr (vulpes), site B: resume, {cell['policy']}",
+                             num(cell.get("t4_responsive")), num(cell.get("workload_b_s")),
+                             slowdown(cell.get("workload_b_s"), second),
+                             mib((cell.get("t3_link_bytes") or 0) + cell.get("t4_link_bytes", 0)
+                                 + cell.get("t5_link_bytes", 0)), "the guest's second run, after a resume"])
+        for peer in results["peers"]:
+            if (peer["rate"], peer["rtt"]) != (rate, rtt):
+                continue
+            if not ok(peer):
+                rows.append([link_name(rate, rtt), peer["peer"], peer["status"], DASH, DASH, DASH, DASH])
+                continue
+            fetch = f" ({num(peer['fetch_s'])} of it downloads)" if peer.get("fetch_s") is not None else ""
+            rows.append([link_name(rate, rtt), peer["peer"], num(peer.get("resume_s")) + fetch,
+                         num(peer.get("workload_s")), slowdown(peer.get("workload_s"), first),
+                         mib(peer.get("link_bytes")), str(peer.get("note") or "")])
+    notes = "" if results["peers"] else "\n\nThe peers were not run in this run" + (
+        f": {'; '.join(results['notes'])}" if results.get("notes") else "") + "."
+    return ("The peers of issue 7 on site B's link in the same run (bench/peers.py: QEMU's curl block driver with "
+            "a qcow2 overlay; nbdkit's curl plugin with its cache and retry filters, served to QEMU over NBD; a "
+            "copy-in of the whole compressed image before boot, ISR-1 style), each through its own toxiproxy "
+            "proxy with the same RTT to one nginx origin (HTTPS, HTTP/1.1), next to isr's own cold boot at site A "
+            "and resumes at site B. Every system fetches the kernel and initramfs over the link too (the peers "
+            "zstd-compressed, isr as sealed boot files). A peer boots the guest cold and runs the workload once, "
+            "so its slowdown is against the local baseline's first run; isr's resumes at B are the guest's second "
+            "run, against the second. MiB to the site: what crossed the site's veth towards it (headers "
+            "included), for every row.\n\n"
+            + header(results) + "\n\n" + table(head, rows) + notes)
+
+
+def model(results: dict[str, Any]) -> str:
+    head = ["link", "RAM (MiB)", "policy", "t4 (s): measured / predicted (ratio)",
+            "t5 workload (s): measured / predicted (ratio)", "t3 (s)", "t2 (s)", "model inputs"]
+    rows = []
+    for cell in results["cells"]:
+        pred = cell.get("prediction")
+        if not ok(cell) or not pred:
+            continue
+        if "error" in pred:
+            rows.append([link_name(cell["rate"], cell["rtt"]), str(cell["ram"]), cell["policy"],
+                         f"model failed: {pred['error']}", DASH, DASH, DASH, DASH])
+            continue
+        a = cell.get("site_a") or {}
+        p = pred["params"]
+        rows.append([link_name(cell["rate"], cell["rtt"]), str(cell["ram"]), cell["policy"],
+                     ratio(cell.get("t4"), pred["t4"]), ratio(cell.get("workload_b_s"), pred["workload_b_s"]),
+                     ratio(cell.get("t3"), pred["t3"]) if cell.get("t3") is not None else DASH,
+                     ratio(a.get("t2"), pred["t2"]),
+                     f"{rate_text(p['bandwidth_bytes_s'] * 8 / 1e6)} Mbit/s, {p['rtt_s'] * 1000:g} ms, state "
+                     f"{p['disk_size'] / MIB:.1f} + {p['memory_size'] / MIB:.1f} MiB"])
+    body = ("The chunksim policy model (`tools/chunksim/policy.py`, `predict`; doc/chunksim.md) for each measured "
+            "cell, with the bandwidth the link measured (bulk TCP goodput), the added RTT, 128 KiB chunks, launch "
+            "1 s, a site B with nothing cached, and the trace of the same workload from the local baseline of this "
+            "run (the second run, block-traced). State sizes as this ISR stores them: 'disk' is what the server "
+            "holds for the version (disk and memory chunk objects, compressed and encrypted), 'memory' (what every "
+            "policy needs before the VM starts) is the boot files plus the sealed device state. Predicted t5 = "
+            "the local workload time + the model's demand-fetch stalls. What the model leaves out, so where a "
+            "ratio far from 1 comes from: it moves a demand miss as a raw 128 KiB chunk (vulpes moves the "
+            "compressed object), fetches one chunk at a time (vulpes overlaps them), and has no RAM faults after "
+            "the resume (here the guest's RAM is demand-paged through vulpes; the model only knows a memory image "
+            "moved before the VM starts). Its working set is the disk chunks of the local trace; the one `isr` "
+            "records at site A spans the cold boot and the workload and holds the RAM chunks too, so eager-ws's t3 "
+            "is far above the prediction. Its t2 moves the trace's dirty chunks (raw) plus the 'memory' above, "
+            "where `isr suspend` uploads the dirty disk and RAM chunks: agreement there is partly a coincidence "
+            "of sizes.")
+    if not rows:
+        return body + "\n\n" + header(results) + "\n\nNo cell had both a measurement and a prediction."
+    return body + "\n\n" + header(results) + "\n\n" + table(head, rows)
+
+
+# --- chunk size --------------------------------------------------------------------------------------------
+
+def chunk_sizes(local_traces: dict[int, Trace]) -> dict[str, Any]:
+    """Miss ratio and MiB fetched at 4 KiB..1 MiB for the stored traces and this run's local trace(s), under
+    the papers' model (every chunk stored, fetch on write) and this ISR's (zero chunks not stored, whole-chunk
+    writes not fetched)."""
+    traces = [read_trace(path) for path in sorted(TRACES.glob("*.csv.zst"))] + list(local_traces.values())
+    out: dict[str, Any] = {}
+    for trace in traces:
+        out[trace.name] = {
+            model: [{"chunk": r.chunk_size, "miss_ratio": r.miss_ratio, "fetched": r.bytes_fetched,
+                     "never_used": r.bytes_never_used, "upload": r.upload_bytes}
+                    for r in sweep(trace, DEFAULT_SIZES, write_policy=policy, zero_chunks=zero)]
+            for model, policy, zero in (("papers", "fetch", False), ("isr", "whole-no-fetch", True))}
+        out[trace.name]["requests"] = len(trace.accesses)
+    return {"status": "ok", "traces": out}
+
+
+def chunk_table(data: dict[str, Any]) -> str:
+    traces = data.get("traces") or {}
+    intro = ("Demand fetch of block traces into a cold, infinite cache with chunks of 4 KiB to 1 MiB "
+             "(`tools.chunksim.cache.sweep`, as `python -m tools.chunksim sizes` prints it; doc/chunksim.md), for "
+             "the stored traces (`tools/chunksim/traces/`, whose README says how each was captured) and for this "
+             "run's own block trace of the workload on the small guest (testwork-local-*, from the local "
+             "baseline). Each cell: miss ratio / MiB fetched. The papers' model stores every chunk and fetches a "
+             "chunk before writing to it (Dinero IV as in seed 001 §5.3 and seed 003 §5.4.1); this ISR's stores no "
+             "all-zero chunk and writes whole chunks without fetching them.")
+    if not traces:
+        return intro + f"\n\nNot computed: {data.get('status', 'no traces')}."
+    names = list(traces)
+    parts = [intro]
+    for model, label in (("papers", "The papers' model"), ("isr", "This ISR's model")):
+        rows = []
+        for i, size in enumerate(DEFAULT_SIZES):
+            row = [format_size(size)]
+            for name in names:
+                r = traces[name][model][i]
+                row.append(f"{r['miss_ratio']:.3f} / {r['fetched'] / MIB:.2f}")
+            rows.append(row)
+        head = ["chunk"] + [f"{n} ({traces[n]['requests']} requests)" for n in names]
+        parts.append(f"{label}:\n\n" + table(head, rows))
+    parts.append("What the papers concluded from the same kind of study (their curves are not in our copies):\n\n"
+                 + "\n".join(f"- {s}" for s in CHUNK_SIZE_STUDIES))
+    return "\n\n".join(parts)
+
+
+# --- the seeds ----------------------------------------------------------------------------------------------
+
+def ours(results: dict[str, Any], metric: str, policy: str, link_mbit: float | None) -> str:
+    """This run's figure for a seed figure's metric, policy and link: the smallest RTT, the first RAM size."""
+    cells = [c for c in results["cells"] if ok(c) and c["policy"] == policy and c["rate"] == link_mbit
+             and c["ram"] == results["meta"]["ram"][0]]
+    if not cells:
+        return DASH
+    cell = min(cells, key=lambda c: c["rtt"])
+    local = local_workload(results, cell["ram"])
+    where = f" (+{cell['rtt']} ms)" if cell["rtt"] else ""
+    if metric == "resume":
+        return f"{num(cell.get('t4'))} s; the guest answers after {num(cell.get('t4_responsive'))} s{where}"
+    if metric == "benchmark":
+        return f"{num(cell.get('workload_b_s'))} s, local {num(local)} s{where}"
+    if metric == "slowdown" and local:
+        return f"{(cell['workload_b_s'] - local) / local * 100:.1f} %{where}"
+    return DASH
+
+
+def seeds(results: dict[str, Any]) -> str:
+    head = ["source", "what", "policy", "link", "the paper's figure", "ours (this run)", "note"]
+    rows = []
+    for f in FIGURES:
+        what = {"resume": "resume latency", "benchmark": "benchmark running time", "slowdown": "slowdown"}[f.metric]
+        rows.append([f"{f.seed} {f.where}", what, f.policy, f.link, f.value,
+                     ours(results, f.metric, f.policy, f.link_mbit), f.note])
+    times = [c["t4"] for c in results["cells"] if ok(c) and c.get("t4") is not None]
+    spread = f" Our t4 ranged over {min(times):.1f}–{max(times):.1f} s (median {statistics.median(times):.1f})." \
+        if times else ""
+    return ("The seed papers' own figures, transcribed by hand from the OCR'd text (bench/seed_figures.py; "
+            "numbers as printed, standard deviations in parentheses), next to this run's figure for the same "
+            "policy and link rate (the smallest added RTT of the run, the first RAM size). Seed 003 ends a resume "
+            "at 'the first instant that the user is able to interact with the VM', which is our 'the guest "
+            "answers'; `isr resume` itself returns earlier. Not like for like: "
+            "their guests were Windows XP desktops with 4 GB disks under VMware on 2003 hardware over Coda, "
+            "their workloads ran for 10–20 minutes with think time, and their memory image was moved whole at "
+            "resume; ours is a small Linux guest under TCG whose RAM is demand-paged, running a one-minute "
+            f"workload without think time.{spread}\n\n"
+            f"- {SEED_001}: {SETUPS['001']}\n- {SEED_003}: {SETUPS['003']}\n\n" + header(results) + "\n\n"
+            + table(head, rows))
