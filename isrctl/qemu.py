@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import hashlib
 import json
@@ -320,8 +321,7 @@ class VM:
             # Appended, so that relaunching under the same name keeps the earlier run's output too.
             with open(self._log_path, "ab") as out:
                 self._log_start = out.tell()
-                self._proc = subprocess.Popen(self._args, stdin=subprocess.DEVNULL, stdout=out,
-                                              stderr=subprocess.STDOUT)
+                self._proc = self._spawn(out)
         except OSError as exc:
             self._cleanup()
             raise VMLaunchError(f"cannot run {self._args[0]}: {exc.strerror}", exitcode=None,
@@ -339,6 +339,38 @@ class VM:
             if isinstance(exc, VMError | OSError):
                 raise error from exc
             raise
+
+    def _spawn(self, out: Any) -> subprocess.Popen[bytes]:
+        """Start QEMU; with RAM in a file, from a short-lived thread that carries `_no_hugepage_filter`.
+
+        A seccomp filter belongs to the thread that installs it and to the processes it starts, so a
+        throwaway thread keeps it away from the rest of isrctl and needs no code between fork and exec.
+        """
+        def popen() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(self._args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+
+        if self.config.memory_file is None:
+            return popen()
+        result: list[Any] = []
+
+        def launcher() -> None:
+            try:
+                _no_hugepage_filter(self.config.memory_mib << 20)
+            except OSError as exc:
+                log.warning("cannot keep QEMU from marking guest RAM MADV_HUGEPAGE (%s); each RAM fault will "
+                            "read up to 4 MiB of %s", exc, self.config.memory_file)
+            try:
+                result.append(popen())
+            except BaseException as exc:  # handed to the caller's thread below
+                result.append(exc)
+
+        thread = threading.Thread(target=launcher, name=f"launch-{self.name}")
+        thread.start()
+        thread.join()
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        proc: subprocess.Popen[bytes] = result[0]
+        return proc
 
     def _connect_qmp(self, path: Path, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -659,6 +691,61 @@ class VM:
             self._sock_dir = None
         # Only ever reached once the process has been reaped: the VM object may be launched again.
         self._proc = None
+
+
+# --- keeping guest RAM in a file free of huge-page read-around --------------------------------------------
+#
+# QEMU 7.2 calls madvise(MADV_HUGEPAGE) on all guest RAM (physmem.c, ram_block_add), with no option to turn
+# it off. For RAM in a file that sets VM_HUGEPAGE on the shared file mapping, and on every major fault the
+# kernel then reads 4 MiB of the file around the faulting page, 2 MiB-aligned, even where readahead is off
+# (mm/filemap.c, do_sync_mmap_readahead). With RAM in vulpes's memory image each such read is up to 32
+# demand-fetched chunks for a 4 KiB page. The filter below makes exactly that madvise fail with EINVAL (as
+# on a kernel without THP), which QEMU ignores: advice MADV_HUGEPAGE on a range the size of guest RAM.
+# Smaller ranges (TCG's code buffer) keep their huge pages. The filter asks for no_new_privs, which only
+# matters if QEMU were to execute a set-user-ID helper (e.g. qemu-bridge-helper; isr uses none).
+
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_NR_MADVISE_X86_64 = 28
+_MADV_HUGEPAGE = 14
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, _PR_SET_NO_NEW_PRIVS = 22, 2, 38
+_SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+_LD_ABS_W, _JEQ_K, _RET_K = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
+
+
+def _no_hugepage_filter(ram_bytes: int) -> None:
+    """Install, on the calling thread, a seccomp filter that fails madvise(_, ram_bytes, MADV_HUGEPAGE).
+
+    Everything else is allowed. Raises OSError if the filter cannot be installed (no seccomp in this
+    kernel, not an x86-64 host); the caller then runs QEMU without it: slower demand fetch, same guest.
+    """
+    if platform.machine() != "x86_64":
+        raise OSError(errno.ENOSYS, f"the filter is written for x86-64, not {platform.machine()}")
+    # struct seccomp_data: int nr @0, u32 arch @4, u64 ip @8, u64 args[6] @16, in little-endian halves.
+    # madvise(addr, len, advice): len is args[1] (@24 low, @28 high), advice (an int) args[2] (@32).
+    # Each test either falls through to the next load or jumps to the ALLOW at index 11.
+    checks = [(4, _AUDIT_ARCH_X86_64), (0, _NR_MADVISE_X86_64), (32, _MADV_HUGEPAGE),
+              (24, ram_bytes & 0xFFFFFFFF), (28, ram_bytes >> 32)]
+    program: list[tuple[int, int, int, int]] = []
+    for offset, value in checks:
+        program += [(_LD_ABS_W, 0, 0, offset), (_JEQ_K, 0, 10 - (len(program) + 1), value)]
+    program += [(_RET_K, 0, 0, _SECCOMP_RET_ERRNO | errno.EINVAL), (_RET_K, 0, 0, _SECCOMP_RET_ALLOW)]
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                    ("k", ctypes.c_uint32)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    insns = (SockFilter * len(program))(*(SockFilter(*insn) for insn in program))
+    fprog = SockFprog(len(program), insns)
+    libc = ctypes.CDLL(None, use_errno=True)
+    ulong = ctypes.c_ulong
+    for what, args in (("no_new_privs", (_PR_SET_NO_NEW_PRIVS, ulong(1), ulong(0))),
+                       ("seccomp", (_PR_SET_SECCOMP, ulong(_SECCOMP_MODE_FILTER), ctypes.byref(fprog)))):
+        if libc.prctl(*args, ulong(0), ulong(0)) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"prctl({what}): {os.strerror(code)}")
 
 
 def _stream_bytes(info: dict[str, Any]) -> int:

@@ -115,6 +115,24 @@ def test_suspend_resume(guest_artifacts: GuestArtifacts, guest_disk: Path, tmp_p
     _assert_clean(guest_disk)
 
 
+def test_ram_in_a_file_is_not_marked_for_huge_pages(tmp_path: Path) -> None:
+    """QEMU's madvise(MADV_HUGEPAGE) on guest RAM is filtered out when RAM is in a file: on a huge-page
+    mapping every fault would read 4 MiB of vulpes's memory image (isrctl/qemu.py, `_no_hugepage_filter`)."""
+    ram = tmp_path / "ram.img"
+    with VM(VMConfig(memory_file=ram, memory_mib=64), run_dir=tmp_path, name="hg") as vm:
+        vm.launch(paused=True)
+        assert vm.pid is not None
+        flags, mapped = None, ""
+        for line in Path(f"/proc/{vm.pid}/smaps").read_text().splitlines():
+            fields = line.split()
+            if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", fields[0]):
+                mapped = fields[5] if len(fields) > 5 else ""
+            elif fields[0] == "VmFlags:" and mapped == str(ram):
+                flags = fields[1:]
+        assert flags is not None, f"QEMU has not mapped {ram}"
+        assert "sh" in flags and "hg" not in flags, flags
+
+
 def test_failed_launch_reports_exit_code_command_and_output(tmp_path: Path) -> None:
     config = VMConfig(kernel=tmp_path / "no-such-kernel")
     with VM(config, run_dir=tmp_path) as vm:
