@@ -243,6 +243,7 @@ class S3Server:
     access: str
     secret: str
     root: Path
+    access_log: Path  # one line per request (operation, bucket, key, status, how it was signed)
 
     def make_bucket(self, name: str) -> str:
         import boto3
@@ -265,7 +266,8 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     port = free_port()
     log = open(root / "versitygw.log", "w")
     proc = subprocess.Popen([binary, "--access", S3_ACCESS, "--secret", S3_SECRET, "--port", f"127.0.0.1:{port}",
-                             "--quiet", "posix", str(root / "data")], stdout=log, stderr=log, start_new_session=True)
+                             "--quiet", "--access-log", str(root / "access.log"), "posix", str(root / "data")],
+                            stdout=log, stderr=log, start_new_session=True)
     log.close()
     try:
         deadline = time.monotonic() + START_TIMEOUT
@@ -277,7 +279,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"versitygw did not start:\n{(root / 'versitygw.log').read_text()}")
                 time.sleep(0.05)
-        yield S3Server(f"http://127.0.0.1:{port}", S3_ACCESS, S3_SECRET, root)
+        yield S3Server(f"http://127.0.0.1:{port}", S3_ACCESS, S3_SECRET, root, root / "access.log")
     finally:
         proc.terminate()
         try:

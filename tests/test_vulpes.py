@@ -16,12 +16,14 @@ import sqlite3
 import subprocess
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import wait_until
 from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
+from tests.server_fixtures import S3Server, s3_server, start_env  # noqa: F401  (s3_server: pytest fixture)
 from tests.vulpes_fixtures import (CHUNK_SIZE, FaultServer, IsrServer, Vulpes, chunk_path, drop_caches,
                                    isr_server, make_state, random_image, read_all, spki_pin,  # noqa: F401
                                    vulpes_binary)
@@ -318,6 +320,44 @@ def test_redirect_to_another_origin_gets_no_token(vulpes_binary: Path, tmp_path:
     finally:
         server.stop()
         bucket.stop()
+
+
+def test_redirect_to_presigned_urls_of_a_real_s3_store(vulpes_binary: Path, s3_server: S3Server,
+                                                       request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """isr-server on an S3 store (a real versitygw) with chunk_serving = redirect: every chunk GET is answered
+    with a 307 to a presigned URL, and vulpes reads the whole disk through them, each object once, from the
+    S3 server itself (its access log), signed by the URL alone (no bearer token, no other credentials)."""
+    content = random_image(2 * MIB, seed=142, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    bucket = s3_server.make_bucket(f"isr-{uuid.uuid4().hex[:12]}")
+    env = start_env("sqlite-directory", tmp_path / "server", request, **{
+        "store.backend": "s3", "store.endpoint": s3_server.endpoint, "store.bucket": bucket,
+        "store.access_key": s3_server.access, "store.secret_key": s3_server.secret, "store.region": "us-east-1",
+        "store.prefix": "isr/", "server.chunk_serving": "redirect"})
+    try:
+        with env.client("alice") as client:
+            assert client.health()["chunk_serving"] == "redirect"
+            for tag, data in state.objects.items():
+                client.put_chunk(tag.hex(), data)
+        token_file = tmp_path / "token"
+        token_file.write_text(env.tokens["alice"] + "\n")
+        ca = Path(env.settings["server.data_dir"]) / "tls" / "server.crt"
+        with Vulpes(vulpes_binary, tmp_path / "mnt", state, tmp_path / "cache", server=env.server.url,
+                    token_file=token_file, ca=ca) as v:
+            assert read_all(v.path("disk")) == content
+            assert v.status()["hits"]["server"] == len(state.records["disk"])
+        # versitygw's access log: ... s3_GetObject <key> <request URI> <status> ... <user agent> ...
+        gets = [line.split() for line in s3_server.access_log.read_text().splitlines()
+                if f" {bucket} " in line and " s3_GetObject " in line]
+        fetched = [fields[fields.index("s3_GetObject") + 1].rsplit("/", 1)[-1] for fields in gets]
+        assert sorted(fetched) == sorted(tag.hex() for tag in state.objects)
+        for fields in gets:
+            uri = fields[fields.index("s3_GetObject") + 2]
+            assert "X-Amz-Signature=" in uri and fields[fields.index(uri) + 1] == "200", fields
+            assert any(field.startswith("vulpes/") for field in fields), fields
+    finally:
+        env.server.stop()
+        assert "Traceback" not in env.server.output(), env.server.output()
 
 
 # --- the cache's size limit ------------------------------------------------------------------------------

@@ -45,6 +45,7 @@
 
 #define TAG_HEX_LEN (CACHE_TAG_LEN * 2)
 #define CACHE_OBJECT_MAX (CHUNK_SIZE_MAX + CHUNK_OVERHEAD)
+#define DIRECT_ALIGN 4096                /* buffer, offset and length alignment for O_DIRECT reads */
 
 enum {
         INDEX_BUSY_TIMEOUT_MS = 10000,
@@ -611,6 +612,40 @@ int cache_set_limit(Cache *c, uint64_t limit) {
         return r;
 }
 
+int64_t cache_size_parse(const char *text) {
+        unsigned long long v;
+        char *end;
+        int shift = 20;
+
+        errno = 0;
+        v = strtoull(text, &end, 10);
+        if (errno || end == text)
+                return -EINVAL;
+        switch (*end) {
+        case 0:
+                break;
+        case 'k': case 'K':
+                shift = 10;
+                break;
+        case 'm': case 'M':
+                shift = 20;
+                break;
+        case 'g': case 'G':
+                shift = 30;
+                break;
+        case 't': case 'T':
+                shift = 40;
+                break;
+        default:
+                return -EINVAL;
+        }
+        if (*end && end[1] && strcmp(end + 1, "iB") != 0 && strcmp(end + 1, "B") != 0)
+                return -EINVAL;
+        if (v > (unsigned long long) (INT64_MAX >> shift))
+                return -EINVAL;
+        return (int64_t) (v << shift);
+}
+
 int cache_status(Cache *c, CacheStatus *ret) {
         int64_t objects, bytes, total, pinned;
 
@@ -775,17 +810,46 @@ int cache_quarantine(Cache *c, const uint8_t tag[CACHE_TAG_LEN]) {
         return r;
 }
 
-int cache_get(Cache *c, const uint8_t tag[CACHE_TAG_LEN], uint8_t **ret_object, size_t *ret_len) {
+/*
+ * Opens an object for reading: without atime updates where allowed (the index records use itself, and a
+ * first read would dirty every inode), and with *direct, with O_DIRECT if the file system takes it
+ * (*direct is cleared if not).
+ */
+static int object_open(Cache *c, const char *rel, bool *direct) {
+        int flags = O_RDONLY | O_CLOEXEC | O_NOATIME, fd;
+
+        for (;;) {
+                fd = openat(c->dir_fd, rel, flags | (*direct ? O_DIRECT : 0));
+                if (fd >= 0)
+                        return fd;
+                if (errno == EINVAL && *direct)
+                        *direct = false;
+                else if (errno == EPERM && (flags & O_NOATIME))
+                        flags &= ~O_NOATIME;
+                else
+                        return errno == ENOENT ? -ENOENT : -errno;
+        }
+}
+
+/*
+ * Reads and verifies the object named tag into *buf (size bytes), or into a malloc()ed buffer of the
+ * file's size returned in *buf when *buf is NULL.  -ENOBUFS: the file is larger than size.  A caller's
+ * buffer aligned for direct I/O is read with O_DIRECT: the caller keeps the plaintext it decodes, and the
+ * kernel caches what vulpes serves, so caching the ciphertext as well would only cost page allocations
+ * and take memory from the guest.
+ */
+static int object_read(Cache *c, const uint8_t tag[CACHE_TAG_LEN], uint8_t **buf, size_t size, size_t *ret_len) {
         char rel[sizeof("chunks/ab/cd/") + TAG_HEX_LEN];
-        uint8_t *data = NULL;
+        uint8_t *data = *buf;
+        bool direct = data && (uintptr_t) data % DIRECT_ALIGN == 0 && size % DIRECT_ALIGN == 0;
         struct stat st;
         size_t len = 0;
         int fd, r;
 
         object_relpath(tag, rel);
-        fd = openat(c->dir_fd, rel, O_RDONLY | O_CLOEXEC);
+        fd = object_open(c, rel, &direct);
         if (fd < 0)
-                return errno == ENOENT ? -ENOENT : -errno;
+                return fd;
         if (fstat(fd, &st) < 0) {
                 r = -errno;
                 goto out_close;
@@ -794,16 +858,38 @@ int cache_get(Cache *c, const uint8_t tag[CACHE_TAG_LEN], uint8_t **ret_object, 
                 r = -EBADMSG;
                 goto out_bad;
         }
-        data = malloc((size_t) st.st_size);
-        if (!data) {
-                r = -ENOMEM;
+        if (data && (size_t) st.st_size > size) {
+                r = -ENOBUFS;
                 goto out_close;
         }
+        if (!data) {
+                data = malloc((size_t) st.st_size);
+                if (!data) {
+                        r = -ENOMEM;
+                        goto out_close;
+                }
+        }
         while (len < (size_t) st.st_size) {
-                ssize_t n = pread(fd, data + len, (size_t) st.st_size - len, (off_t) len);
+                size_t want = (size_t) st.st_size - len;
+                ssize_t n;
 
+                /* Direct I/O reads whole blocks: the last one ends past the end of the file (size allows it). */
+                if (direct)
+                        want = (want + DIRECT_ALIGN - 1) / DIRECT_ALIGN * DIRECT_ALIGN;
+                n = pread(fd, data + len, want, (off_t) len);
                 if (n < 0 && errno == EINTR)
                         continue;
+                if (direct && ((n < 0 && errno == EINVAL) || (n >= 0 && (size_t) n < (size_t) st.st_size - len))) {
+                        /* Refused (block size, alignment), or short and now unaligned: go through the page cache. */
+                        direct = false;
+                        if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_DIRECT) < 0) {
+                                r = -errno;
+                                goto out_data;
+                        }
+                        if (n > 0)
+                                len += (size_t) n;
+                        continue;
+                }
                 if (n < 0) {
                         r = -errno;
                         log_error("failed to read cache object %s: %s", rel, strerror(-r));
@@ -819,7 +905,7 @@ int cache_get(Cache *c, const uint8_t tag[CACHE_TAG_LEN], uint8_t **ret_object, 
         }
         close(fd);
         use_note(c, tag);
-        *ret_object = data;
+        *buf = data;
         *ret_len = len;
         return 0;
 
@@ -827,10 +913,24 @@ out_bad:
         log_warning("cache object %s failed verification: quarantined, fetching it again", rel + 13);
         cache_quarantine(c, tag);
 out_data:
-        free(data);
+        if (data != *buf)
+                free(data);
 out_close:
         close(fd);
         return r;
+}
+
+int cache_get(Cache *c, const uint8_t tag[CACHE_TAG_LEN], uint8_t **ret_object, size_t *ret_len) {
+        *ret_object = NULL;
+        return object_read(c, tag, ret_object, 0, ret_len);
+}
+
+int cache_get_into(Cache *c, const uint8_t tag[CACHE_TAG_LEN], void *buf, size_t size, size_t *ret_len) {
+        uint8_t *data = buf;
+
+        if (!buf)
+                return -EINVAL;
+        return object_read(c, tag, &data, size, ret_len);
 }
 
 /* Writes object to a new temporary file in dir/tmp; returns its malloc()ed path. */

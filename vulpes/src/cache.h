@@ -28,6 +28,13 @@ const char *cache_dir(const Cache *c);
  */
 int cache_get(Cache *c, const uint8_t tag[CACHE_TAG_LEN], uint8_t **ret_object, size_t *ret_len);
 
+/*
+ * The same into buf (size bytes, reused by the caller); -ENOBUFS if the file is larger (nothing moved).
+ * With buf and size multiples of 4096 the object is read with O_DIRECT where the file system takes it:
+ * the caller keeps what it decodes, so the ciphertext need not take page cache as well.
+ */
+int cache_get_into(Cache *c, const uint8_t tag[CACHE_TAG_LEN], void *buf, size_t size, size_t *ret_len);
+
 /* True if an object file for tag exists (not verified). */
 bool cache_has(Cache *c, const uint8_t tag[CACHE_TAG_LEN]);
 
@@ -77,6 +84,10 @@ uint64_t cache_evictions_total(Cache *c);
  */
 int cache_set_limit(Cache *c, uint64_t limit);
 int cache_evict(Cache *c);
+
+/* A size limit as the programs take it: "512" (MiB), "512M", "20G", "1T", "64K" (also "20GiB", "20GB");
+ * returns bytes or -EINVAL. */
+int64_t cache_size_parse(const char *text);
 
 /*
  * Pins are rows (tag, owner) in the shared index: an object pinned by any owner is never evicted.  The

@@ -4,7 +4,7 @@
  * SHA-256, HMAC-SHA256, AES-256-GCM with a zero nonce, AES-256 key wrap (RFC 3394), scrypt,
  * random bytes and wiping.
  *
- * Threading: every function is safe to call from any thread.  The HMAC algorithm is fetched once
+ * Threading: every function is safe to call from any thread.  The algorithms are fetched once
  * (pthread_once) and shared; each call uses its own OpenSSL context.  A CryptoSha256 belongs to one
  * thread at a time.
  */
@@ -34,6 +34,40 @@ struct CryptoSha256 {
 };
 
 static const uint8_t zero_nonce[12];
+
+/*
+ * Algorithms are fetched once and shared.  OpenSSL 3 otherwise looks the name up in its provider store
+ * (under a lock) for every context set up with EVP_sha256() and the like: a few percent of the CPU time
+ * of a warm-cache read, which sets up three contexts per chunk.  If a fetch fails, the call falls back to
+ * the implicit fetch (and reports its error there).
+ */
+static EVP_MAC *hmac_algorithm;
+static EVP_MD *sha256_algorithm;
+static EVP_CIPHER *gcm_algorithm, *keywrap_algorithm;
+static pthread_once_t fetch_once = PTHREAD_ONCE_INIT;
+
+static void algorithms_fetch(void) {
+        hmac_algorithm = EVP_MAC_fetch(NULL, OSSL_MAC_NAME_HMAC, NULL);
+        sha256_algorithm = EVP_MD_fetch(NULL, OSSL_DIGEST_NAME_SHA2_256, NULL);
+        gcm_algorithm = EVP_CIPHER_fetch(NULL, "AES-256-GCM", NULL);
+        keywrap_algorithm = EVP_CIPHER_fetch(NULL, "AES-256-WRAP", NULL);
+        ERR_clear_error();
+}
+
+static const EVP_MD *sha256_get(void) {
+        pthread_once(&fetch_once, algorithms_fetch);
+        return sha256_algorithm ? sha256_algorithm : EVP_sha256();
+}
+
+static const EVP_CIPHER *gcm_get(void) {
+        pthread_once(&fetch_once, algorithms_fetch);
+        return gcm_algorithm ? gcm_algorithm : EVP_aes_256_gcm();
+}
+
+static const EVP_CIPHER *keywrap_get(void) {
+        pthread_once(&fetch_once, algorithms_fetch);
+        return keywrap_algorithm ? keywrap_algorithm : EVP_aes_256_wrap();
+}
 
 /* Logs the reason OpenSSL recorded for a failure it reported, and empties its error queue. */
 static int log_openssl_failure(const char *what) {
@@ -75,7 +109,7 @@ int crypto_sha256_new(CryptoSha256 **ret) {
                 r = -ENOMEM;
                 goto out_free;
         }
-        if (EVP_DigestInit_ex(s->ctx, EVP_sha256(), NULL) != 1) {
+        if (EVP_DigestInit_ex(s->ctx, sha256_get(), NULL) != 1) {
                 r = log_openssl_failure("initialize SHA-256");
                 goto out_free;
         }
@@ -109,13 +143,6 @@ CryptoSha256 *crypto_sha256_free(CryptoSha256 *s) {
         return NULL;
 }
 
-static EVP_MAC *hmac_algorithm;
-static pthread_once_t hmac_once = PTHREAD_ONCE_INIT;
-
-static void hmac_fetch(void) {
-        hmac_algorithm = EVP_MAC_fetch(NULL, OSSL_MAC_NAME_HMAC, NULL);
-}
-
 int crypto_hmac_sha256(const void *key, size_t key_len, const CryptoBuffer *parts, size_t n_parts,
                        uint8_t ret_mac[CRYPTO_SHA256_LEN]) {
         char digest_name[] = OSSL_DIGEST_NAME_SHA2_256;
@@ -127,7 +154,7 @@ int crypto_hmac_sha256(const void *key, size_t key_len, const CryptoBuffer *part
         size_t out_len = 0;
         int r = 0;
 
-        pthread_once(&hmac_once, hmac_fetch);
+        pthread_once(&fetch_once, algorithms_fetch);
         if (!hmac_algorithm)
                 return log_openssl_failure("fetch HMAC");
 
@@ -175,7 +202,7 @@ int crypto_aes256gcm_encrypt(const uint8_t key[CRYPTO_KEY_LEN], const void *aad,
         ctx = EVP_CIPHER_CTX_new();
         if (!ctx)
                 return -ENOMEM;
-        if (EVP_EncryptInit_ex(ctx, EVP_aes_256_gcm(), NULL, key, zero_nonce) != 1 ||
+        if (EVP_EncryptInit_ex(ctx, gcm_get(), NULL, key, zero_nonce) != 1 ||
             cipher_update(ctx, 1, NULL, aad, aad_len) < 0 ||
             cipher_update(ctx, 1, ret_out, in, len) < 0 ||
             EVP_EncryptFinal_ex(ctx, NULL, &out_len) != 1 ||
@@ -195,7 +222,7 @@ int crypto_aes256gcm_decrypt(const uint8_t key[CRYPTO_KEY_LEN], const void *aad,
         ctx = EVP_CIPHER_CTX_new();
         if (!ctx)
                 return -ENOMEM;
-        if (EVP_DecryptInit_ex(ctx, EVP_aes_256_gcm(), NULL, key, zero_nonce) != 1 ||
+        if (EVP_DecryptInit_ex(ctx, gcm_get(), NULL, key, zero_nonce) != 1 ||
             cipher_update(ctx, 0, NULL, aad, aad_len) < 0 ||
             cipher_update(ctx, 0, ret_out, in, len) < 0 ||
             EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, CRYPTO_GCM_TAG_LEN, tag_copy) != 1) {
@@ -228,7 +255,7 @@ static int keywrap_run(int encrypt, const uint8_t kek[CRYPTO_KEY_LEN], const voi
         if (!ctx)
                 return -ENOMEM;
         EVP_CIPHER_CTX_set_flags(ctx, EVP_CIPHER_CTX_FLAG_WRAP_ALLOW);
-        if (EVP_CipherInit_ex(ctx, EVP_aes_256_wrap(), NULL, kek, NULL, encrypt) != 1) {
+        if (EVP_CipherInit_ex(ctx, keywrap_get(), NULL, kek, NULL, encrypt) != 1) {
                 r = log_openssl_failure("initialize AES key wrap");
                 goto out_ctx;
         }

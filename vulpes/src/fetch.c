@@ -573,12 +573,15 @@ static void finished_transfers(Fetcher *f) {
         while ((msg = curl_multi_info_read(f->multi, &left))) {
                 Request *r = NULL;
                 int result = 0, done;
+                CURLcode code;
 
                 if (msg->msg != CURLMSG_DONE)
                         continue;
+                /* msg belongs to the easy handle: read it before transfer_cleanup() frees that. */
+                code = msg->data.result;
                 curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **) &r);
                 pthread_mutex_lock(&f->lock);
-                done = transfer_finish(f, r, msg->data.result, &result);
+                done = transfer_finish(f, r, code, &result);
                 transfer_cleanup(f, r);
                 if (r->kind == REQUEST_PUT)
                         f->active_upload--;
@@ -613,8 +616,8 @@ static void finished_transfers(Fetcher *f) {
                         char why[200];
 
                         snprintf(why, sizeof(why), "%s", f->last_error[0] ? f->last_error : "transfer failed");
-                        if (msg->data.result != CURLE_OK)
-                                snprintf(why, sizeof(why), "%s", curl_easy_strerror(msg->data.result));
+                        if (code != CURLE_OK)
+                                snprintf(why, sizeof(why), "%s", curl_easy_strerror(code));
                         request_retry_locked(f, r, why, done == 0);
                 }
                 pthread_mutex_unlock(&f->lock);

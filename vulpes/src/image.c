@@ -30,6 +30,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bufpool.h"
 #include "chunk.h"
 #include "compress.h"
 #include "crypto.h"
@@ -55,7 +56,8 @@ enum {
  */
 #define READAHEAD_BYTES ((uint64_t) 8 << 20)
 enum {
-        READAHEAD_WORKERS = 8,             /* cold cache files wait for the disk: keep several reads in flight */
+        READAHEAD_WORKERS = 16,            /* a cold cache file costs two dependent disk reads (its directory,
+                                            * then the object): keep many in flight to keep both cores busy */
         READAHEAD_QUEUE = 64,
         READAHEAD_SLACK = 4,               /* chunks a sequential read may lag behind the furthest one */
 };
@@ -86,6 +88,10 @@ struct Image {
         KeyringRecord *records;
         uint64_t n_records;
         Chunk *chunks;
+        BufPool *chunk_pool;               /* plaintext buffers of chunk_size bytes */
+        BufPool *object_pool;              /* buffers for objects read from the cache */
+        uint8_t *zeros;                    /* chunk_size zero bytes, what a chunk without record reads as */
+        uint8_t kw[IMAGE_KEY_LEN];         /* the parcel key's key-wrapping key, derived once */
         int64_t lru_head, lru_tail;
         uint64_t ram_bytes, ram_limit, dirty_bytes, dirty_chunks;
         int flush_error;
@@ -160,6 +166,14 @@ static void lru_append(Image *img, int64_t idx) {
         img->lru_tail = idx;
 }
 
+/* Wipes a chunk's plaintext and returns its buffer to the pool. */
+static void chunk_data_release(Image *img, uint64_t idx, uint8_t *data) {
+        if (!data)
+                return;
+        crypto_wipe(data, length_of(img, idx));
+        bufpool_put(img->chunk_pool, data);
+}
+
 /* Drops least recently used clean, unpinned chunks until RAM is within its limit. */
 static void evict_locked(Image *img) {
         int64_t idx = img->lru_head;
@@ -170,8 +184,7 @@ static void evict_locked(Image *img) {
 
                 if (c->pins == 0 && !c->dirty && c->state == CHUNK_READY) {
                         lru_remove(img, idx);
-                        crypto_wipe(c->data, length_of(img, (uint64_t) idx));
-                        free(c->data);
+                        chunk_data_release(img, (uint64_t) idx, c->data);
                         c->data = NULL;
                         c->state = CHUNK_ABSENT;
                         c->ahead = false;
@@ -225,15 +238,18 @@ static int decode(const Image *img, uint64_t idx, const KeyringRecord *rec, cons
  */
 static int chunk_load(Image *img, uint64_t idx, const KeyringRecord *rec, bool cache_only, uint8_t **ret_data,
                       StatsTier *ret_tier) {
-        size_t n = length_of(img, idx), len = 0;
-        uint8_t key[IMAGE_KEY_LEN], *object = NULL, *data;
+        size_t len = 0;
+        uint8_t key[IMAGE_KEY_LEN], *object = NULL, *pooled, *data;
         char what[160];
         int r;
 
-        data = malloc(n);
-        if (!data)
-                return -ENOMEM;
-        r = keyring_unwrap_key(img->src.parcel_key, rec->wkey, key);
+        data = bufpool_get(img->chunk_pool);
+        pooled = bufpool_get(img->object_pool);
+        if (!data || !pooled) {
+                r = -ENOMEM;
+                goto out_data;
+        }
+        r = keyring_unwrap_key_with(img->kw, rec->wkey, key);
         if (r < 0) {
                 describe(img, idx, rec->tag, what, sizeof(what));
                 log_error("failed to read %s: its keyring record does not unwrap under the parcel key", what);
@@ -241,7 +257,15 @@ static int chunk_load(Image *img, uint64_t idx, const KeyringRecord *rec, bool c
                 goto out_data;
         }
 
-        r = cache_get(img->src.cache, rec->tag, &object, &len);
+        /* Into a reused buffer: a fresh one would fault in page by page on every load. */
+        r = cache_get_into(img->src.cache, rec->tag, pooled, bufpool_buf_size(img->object_pool), &len);
+        if (r == 0) {
+                object = pooled;
+                *ret_tier = STATS_TIER_CACHE;
+                goto decode;
+        }
+        if (r == -ENOBUFS)
+                r = cache_get(img->src.cache, rec->tag, &object, &len);
         if (r == 0) {
                 *ret_tier = STATS_TIER_CACHE;
                 goto decode;
@@ -289,16 +313,20 @@ static int chunk_load(Image *img, uint64_t idx, const KeyringRecord *rec, bool c
 
 decode:
         r = decode(img, idx, rec, key, object, len, data);
-        free(object);
+        if (object != pooled)
+                free(object);
         if (r < 0)
                 goto out_data;
+        bufpool_put(img->object_pool, pooled);
         crypto_wipe(key, sizeof(key));
         *ret_data = data;
         return 0;
 
 out_data:
         crypto_wipe(key, sizeof(key));
-        free(data);
+        bufpool_put(img->object_pool, pooled);
+        if (data)
+                bufpool_put(img->chunk_pool, data);
         return r;
 }
 
@@ -327,9 +355,11 @@ static int chunk_ready_locked(Image *img, uint64_t idx, bool whole, StatsTier *r
                         continue;
                 }
                 if (whole || !img->present[idx]) {
-                        data = whole ? malloc(length_of(img, idx)) : calloc(1, length_of(img, idx));
+                        data = bufpool_get(img->chunk_pool);
                         if (!data)
                                 return -ENOMEM;
+                        if (!whole)
+                                memset(data, 0, length_of(img, idx));
                         install_locked(img, idx, data);
                         *ret_tier = whole ? STATS_TIER_NEW : STATS_TIER_ZERO;
                         return 0;
@@ -432,14 +462,21 @@ static void account(Image *img, uint64_t idx, TraceOp op, StatsTier tier) {
         trace_record(img->src.trace, img->name, idx, op, tier);
 }
 
-ssize_t image_read(Image *img, void *buf, size_t len, uint64_t offset) {
-        uint8_t *out = buf;
-        size_t done = 0;
+size_t image_read_pieces_max(const Image *img, size_t len) {
+        /* An unaligned start adds one chunk. */
+        return len > 0 ? (len - 1) / img->chunk_size + 2 : 0;
+}
 
+ssize_t image_read_pin(Image *img, size_t len, uint64_t offset, struct iovec *iov, size_t max_iov, size_t *ret_n) {
+        size_t done = 0, n = 0;
+
+        *ret_n = 0;
         if (offset >= img->size)
                 return 0;
         if (len > img->size - offset)
                 len = (size_t) (img->size - offset);
+        if (max_iov < image_read_pieces_max(img, len))
+                return -EINVAL;
         while (done < len) {
                 uint64_t pos = offset + done, idx = pos / img->chunk_size;
                 size_t in_chunk = (size_t) (pos % img->chunk_size), piece = length_of(img, idx) - in_chunk;
@@ -455,7 +492,7 @@ ssize_t image_read(Image *img, void *buf, size_t len, uint64_t offset) {
                 if (c->state == CHUNK_ABSENT && !img->present[idx]) {
                         /* A chunk without record is zeros: no need to hold it in RAM for a read. */
                         pthread_mutex_unlock(&img->lock);
-                        memset(out + done, 0, piece);
+                        iov[n++] = (struct iovec) { .iov_base = img->zeros, .iov_len = piece };
                         account(img, idx, TRACE_READ, STATS_TIER_ZERO);
                         done += piece;
                         continue;
@@ -464,24 +501,61 @@ ssize_t image_read(Image *img, void *buf, size_t len, uint64_t offset) {
                 if (r < 0) {
                         pthread_mutex_unlock(&img->lock);
                         stats_add(&img->src.stats->errors, 1);
-                        return done > 0 ? (ssize_t) done : r;
+                        if (done == 0)
+                                return r;
+                        break;
                 }
                 c->pins++;
                 if (!c->dirty)
                         lru_append(img, (int64_t) idx);
                 pthread_mutex_unlock(&img->lock);
-
-                memcpy(out + done, c->data + in_chunk, piece);
-
-                pthread_mutex_lock(&img->lock);
-                c->pins--;
-                if (img->ram_bytes > img->ram_limit)
-                        evict_locked(img);
-                pthread_mutex_unlock(&img->lock);
+                iov[n++] = (struct iovec) { .iov_base = c->data + in_chunk, .iov_len = piece };
                 account(img, idx, TRACE_READ, tier);
                 done += piece;
         }
         stats_add(&img->src.stats->bytes_read, done);
+        *ret_n = n;
+        return (ssize_t) done;
+}
+
+void image_read_release(Image *img, const struct iovec *iov, size_t n, uint64_t offset) {
+        uint64_t pos = offset;
+
+        if (n == 0)
+                return;
+        pthread_mutex_lock(&img->lock);
+        for (size_t i = 0; i < n; pos += iov[i].iov_len, i++)
+                if (iov[i].iov_base != img->zeros)
+                        img->chunks[pos / img->chunk_size].pins--;
+        if (img->ram_bytes > img->ram_limit)
+                evict_locked(img);
+        pthread_mutex_unlock(&img->lock);
+}
+
+ssize_t image_read(Image *img, void *buf, size_t len, uint64_t offset) {
+        uint8_t *out = buf;
+        size_t done = 0;
+
+        /* One chunk at a time, so that a long read pins at most one chunk. */
+        while (done < len) {
+                struct iovec iov[2];
+                size_t n = 0, want = img->chunk_size - (size_t) ((offset + done) % img->chunk_size);
+                ssize_t got;
+
+                if (want > len - done)
+                        want = len - done;
+                got = image_read_pin(img, want, offset + done, iov, 2, &n);
+                if (got < 0)
+                        return done > 0 ? (ssize_t) done : got;
+                for (size_t i = 0, at = 0; i < n; at += iov[i].iov_len, i++)
+                        memcpy(out + done + at, iov[i].iov_base, iov[i].iov_len);
+                image_read_release(img, iov, n, offset + done);
+                if (got == 0)
+                        break;
+                done += (size_t) got;
+                if ((size_t) got < want)
+                        break;
+        }
         return (ssize_t) done;
 }
 
@@ -792,6 +866,19 @@ int image_open(const char *name, const char *keyring_path, const ImageSources *s
                 r = -ENOMEM;
                 goto out_free;
         }
+        r = keyring_kw_derive(img->src.parcel_key, img->kw);
+        if (r < 0)
+                goto out_free;
+        img->zeros = calloc(1, img->chunk_size);
+        if (!img->zeros) {
+                r = -ENOMEM;
+                goto out_free;
+        }
+        r = bufpool_new(img->chunk_size, &img->chunk_pool);
+        if (r >= 0)
+                r = bufpool_new(chunk_object_max_len(img->chunk_size), &img->object_pool);
+        if (r < 0)
+                goto out_free;
         for (uint64_t i = 0; i < img->n_chunks; i++)
                 img->chunks[i].lru_prev = img->chunks[i].lru_next = NO_CHUNK;
         r = records_load(img);
@@ -831,14 +918,13 @@ Image *image_free(Image *img) {
                 pthread_join(img->flusher, NULL);
         for (size_t i = 0; i < img->ra_started; i++)
                 pthread_join(img->ra_workers[i], NULL);
-        if (img->chunks) {
-                for (uint64_t i = 0; i < img->n_chunks; i++) {
-                        if (img->chunks[i].data) {
-                                crypto_wipe(img->chunks[i].data, length_of(img, i));
-                                free(img->chunks[i].data);
-                        }
-                }
-        }
+        if (img->chunks)
+                for (uint64_t i = 0; i < img->n_chunks; i++)
+                        chunk_data_release(img, i, img->chunks[i].data);
+        bufpool_free(img->object_pool);
+        bufpool_free(img->chunk_pool);
+        free(img->zeros);
+        crypto_wipe(img->kw, sizeof(img->kw));
         free(img->chunks);
         free(img->records);
         free(img->present);

@@ -5,6 +5,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 
 #include "cache.h"
 #include "fetch.h"
@@ -64,6 +65,18 @@ uint64_t image_chunk_count(const Image *img);
  */
 ssize_t image_read(Image *img, void *buf, size_t len, uint64_t offset);
 ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset);
+
+/*
+ * image_read() without the copy, for a caller that hands the bytes on (FUSE replies with the RAM cache's
+ * own memory): fills iov[0..*ret_n) with pieces that cover the bytes read, each a pointer into a chunk in
+ * RAM, pinned so that it stays there, or to zeros.  Returns the byte count as image_read() does (short
+ * after a failure part-way).  The pieces stay valid until image_read_release() with the same offset;
+ * concurrent writes to the same bytes may show through, as with image_read().  max_iov must be at least
+ * image_read_pieces_max(img, len).
+ */
+size_t image_read_pieces_max(const Image *img, size_t len);
+ssize_t image_read_pin(Image *img, size_t len, uint64_t offset, struct iovec *iov, size_t max_iov, size_t *ret_n);
+void image_read_release(Image *img, const struct iovec *iov, size_t n, uint64_t offset);
 
 /*
  * Makes every write acknowledged before the call durable: dirty chunks are re-encoded (new convergent

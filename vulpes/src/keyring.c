@@ -80,17 +80,28 @@ int keyring_wrap_key(const uint8_t parcel_key[KEYRING_PARCEL_KEY_LEN], const uin
         return r;
 }
 
+int keyring_kw_derive(const uint8_t parcel_key[KEYRING_PARCEL_KEY_LEN], uint8_t ret_kw[KEYRING_KEY_LEN]) {
+        return keywrap_key_derive(parcel_key, ret_kw);
+}
+
+int keyring_unwrap_key_with(const uint8_t kw[KEYRING_KEY_LEN], const uint8_t wkey[KEYRING_WKEY_LEN],
+                            uint8_t ret_key[KEYRING_KEY_LEN]) {
+        int r;
+
+        r = crypto_aes256_keyunwrap(kw, wkey, KEYRING_WKEY_LEN, ret_key);
+        if (r == -EBADMSG)
+                log_debug("failed to unwrap chunk key: altered or wrapped under another parcel key");
+        return r;
+}
+
 int keyring_unwrap_key(const uint8_t parcel_key[KEYRING_PARCEL_KEY_LEN], const uint8_t wkey[KEYRING_WKEY_LEN],
                        uint8_t ret_key[KEYRING_KEY_LEN]) {
         uint8_t kw[CRYPTO_KEY_LEN];
         int r;
 
         r = keywrap_key_derive(parcel_key, kw);
-        if (r >= 0) {
-                r = crypto_aes256_keyunwrap(kw, wkey, KEYRING_WKEY_LEN, ret_key);
-                if (r == -EBADMSG)
-                        log_debug("failed to unwrap chunk key: altered or wrapped under another parcel key");
-        }
+        if (r >= 0)
+                r = keyring_unwrap_key_with(kw, wkey, ret_key);
         crypto_wipe(kw, sizeof(kw));
         return r;
 }

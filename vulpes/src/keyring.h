@@ -36,6 +36,12 @@ int keyring_wrap_key(const uint8_t parcel_key[KEYRING_PARCEL_KEY_LEN], const uin
 int keyring_unwrap_key(const uint8_t parcel_key[KEYRING_PARCEL_KEY_LEN], const uint8_t wkey[KEYRING_WKEY_LEN],
                        uint8_t ret_key[KEYRING_KEY_LEN]);
 
+/* KW itself, for a caller that unwraps many keys under one parcel key: keyring_unwrap_key_with() skips the
+ * HMAC that keyring_unwrap_key() computes each time.  KW is as secret as the parcel key. */
+int keyring_kw_derive(const uint8_t parcel_key[KEYRING_PARCEL_KEY_LEN], uint8_t ret_kw[KEYRING_KEY_LEN]);
+int keyring_unwrap_key_with(const uint8_t kw[KEYRING_KEY_LEN], const uint8_t wkey[KEYRING_WKEY_LEN],
+                            uint8_t ret_key[KEYRING_KEY_LEN]);
+
 /* --- keyring streams ------------------------------------------------------------------------------- */
 
 /* Serializes records (strictly increasing, in range, valid flags; else -EINVAL) into a malloc()ed stream. */

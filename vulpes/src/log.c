@@ -14,6 +14,7 @@
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <string.h>
 
 static atomic_int max_level = LOG_INFO;
 static const char *log_ident = "vulpes";
@@ -29,6 +30,18 @@ int log_get_max_level(void) {
 /* Not thread-safe: call once at start-up, before other threads exist. */
 void log_set_ident(const char *ident) {
         log_ident = ident;
+}
+
+int log_level_parse(const char *name) {
+        static const struct {
+                const char *name;
+                int level;
+        } levels[] = { { "error", LOG_ERR }, { "warning", LOG_WARNING }, { "info", LOG_INFO }, { "debug", LOG_DEBUG } };
+
+        for (size_t i = 0; i < sizeof(levels) / sizeof(levels[0]); i++)
+                if (strcmp(name, levels[i].name) == 0)
+                        return levels[i].level;
+        return -1;
 }
 
 void log_msg(int level, const char *format, ...) {

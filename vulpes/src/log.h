@@ -8,6 +8,9 @@ void log_set_max_level(int level);
 int log_get_max_level(void);
 void log_set_ident(const char *ident);
 
+/* "error", "warning", "info" or "debug" (the programs' --log-level) as a level; -1 for anything else. */
+int log_level_parse(const char *name);
+
 void log_msg(int level, const char *format, ...) __attribute__((format(printf, 2, 3)));
 
 #define log_error(...) log_msg(LOG_ERR, __VA_ARGS__)

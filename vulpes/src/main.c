@@ -16,6 +16,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cache.h"
 #include "control.h"
 #include "crypto.h"
 #include "daemon.h"
@@ -155,53 +156,6 @@ static int option_proc(void *data, const char *arg, int key, struct fuse_args *o
         }
 }
 
-/* "512" (MiB), "512M", "20G", "1T", "64K"; returns bytes or -EINVAL. */
-static int64_t size_parse(const char *text) {
-        unsigned long long v;
-        char *end;
-        int shift = 20;
-
-        errno = 0;
-        v = strtoull(text, &end, 10);
-        if (errno || end == text)
-                return -EINVAL;
-        switch (*end) {
-        case 0:
-                break;
-        case 'k': case 'K':
-                shift = 10;
-                break;
-        case 'm': case 'M':
-                shift = 20;
-                break;
-        case 'g': case 'G':
-                shift = 30;
-                break;
-        case 't': case 'T':
-                shift = 40;
-                break;
-        default:
-                return -EINVAL;
-        }
-        if (*end && end[1] && strcmp(end + 1, "iB") != 0 && strcmp(end + 1, "B") != 0)
-                return -EINVAL;
-        if (v > (unsigned long long) (INT64_MAX >> shift))
-                return -EINVAL;
-        return (int64_t) (v << shift);
-}
-
-static int log_level_parse(const char *name) {
-        static const struct {
-                const char *name;
-                int level;
-        } levels[] = { { "error", LOG_ERR }, { "warning", LOG_WARNING }, { "info", LOG_INFO }, { "debug", LOG_DEBUG } };
-
-        for (size_t i = 0; i < sizeof(levels) / sizeof(levels[0]); i++)
-                if (strcmp(name, levels[i].name) == 0)
-                        return levels[i].level;
-        return -1;
-}
-
 /* Validates right after parsing; every complaint is one line that says what to change. */
 static int options_check(Options *o) {
         if (!o->mountpoint) {
@@ -228,7 +182,7 @@ static int options_check(Options *o) {
                 log_error("--hoard needs --server");
                 return -EINVAL;
         }
-        if (o->cache_limit && size_parse(o->cache_limit) < 0) {
+        if (o->cache_limit && cache_size_parse(o->cache_limit) < 0) {
                 log_error("--cache-limit must be a size in MiB or with a suffix (512, 512M, 20G), not %s",
                           o->cache_limit);
                 return -EINVAL;
@@ -336,7 +290,7 @@ int main(int argc, char *argv[]) {
         config.trace_path = o.trace_path;
         config.offline = o.offline;
         config.ram_cache_bytes = (uint64_t) o.ram_cache_mib << 20;
-        config.cache_limit_bytes = o.cache_limit ? (uint64_t) size_parse(o.cache_limit) : 0;
+        config.cache_limit_bytes = o.cache_limit ? (uint64_t) cache_size_parse(o.cache_limit) : 0;
         config.flush_interval_ms = o.flush_interval_ms;
         config.max_transfers = o.max_transfers;
         config.hoard_window = o.hoard_window;

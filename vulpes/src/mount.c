@@ -3,10 +3,17 @@
  * The file system: three files at the mountpoint, `disk` and `memory` (the images, read-write) and
  * `stats` (the status report, read-only).  The only file that includes libfuse.
  *
+ * It uses libfuse's low-level API: the tree is fixed (root, three files with fixed inode numbers), so the
+ * high-level API's path bookkeeping buys nothing, and the low-level API lets a read be answered straight
+ * from the RAM cache: image_read_pin() hands out pinned pointers into the chunks, fuse_reply_iov() writes
+ * them to the kernel, and the pins are dropped once that returns.  The kernel's copy into its page cache
+ * is then the only copy of the plaintext on the read path.
+ *
  * The images use the page cache (no direct_io), so QEMU can map `memory` MAP_SHARED and the kernel
  * writes dirty pages back as ordinary FUSE writes; keep_cache keeps pages across opens, since nobody
- * but this daemon changes the images.  fsync (and flush, on close) makes everything acknowledged before
- * it durable (image_flush()).  `stats` is direct_io: each open takes a fresh snapshot.
+ * but this daemon changes the images.  fsync, and flush (on close) of a descriptor opened for writing,
+ * make everything acknowledged before them durable (image_flush()).  `stats` is direct_io: each open
+ * takes a fresh snapshot.
  *
  * Threading: libfuse's multithreaded loop calls these operations concurrently; image.c does the locking.
  */
@@ -15,12 +22,12 @@
 #include "mount.h"
 
 #include <errno.h>
-#include <fuse.h>
+#include <fcntl.h>
+#include <fuse_lowlevel.h>
 #include <stdlib.h>
 #include <string.h>
-#include <fcntl.h>
-#include <sys/statvfs.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include "log.h"
@@ -32,14 +39,23 @@ enum {
         _FILE_MAX,
 };
 
+/* Inode numbers: the root is FUSE_ROOT_ID (1), file i is FIRST_FILE_INO + i. */
+#define FIRST_FILE_INO 2
+/* Sizes and names never change behind the kernel's back. */
+#define TIMEOUT 3600.0
+/* In fi->fh of an image: the descriptor may write, so its close flushes. */
+#define FH_WRITABLE ((uint64_t) 1 << 8)
+/* Pieces of a read that fit on the stack: a 1 MiB read of 128 KiB chunks needs at most 10. */
+#define READ_IOV_STACK 32
+
 static const char *const file_names[_FILE_MAX] = { "disk", "memory", "stats" };
 
 struct Mount {
         Daemon *daemon;
-        struct fuse *fuse;
+        struct fuse_session *session;
         struct fuse_args args;
         char *mountpoint;
-        bool mounted;
+        bool mounted, signals;
         unsigned max_threads;
 };
 
@@ -48,26 +64,50 @@ typedef struct StatsSnapshot {
         size_t len;
 } StatsSnapshot;
 
-static Daemon *current_daemon(void) {
-        return ((Mount *) fuse_get_context()->private_data)->daemon;
+static Daemon *daemon_of(fuse_req_t req) {
+        return ((Mount *) fuse_req_userdata(req))->daemon;
 }
 
-static int file_of(const char *path) {
-        if (path[0] != '/')
+/* The file behind an inode, or -ENOENT (also for the root). */
+static int file_of(fuse_ino_t ino) {
+        if (ino < FIRST_FILE_INO || ino >= FIRST_FILE_INO + _FILE_MAX)
                 return -ENOENT;
-        for (int i = 0; i < _FILE_MAX; i++)
-                if (strcmp(path + 1, file_names[i]) == 0)
-                        return i;
-        return -ENOENT;
+        return (int) (ino - FIRST_FILE_INO);
 }
 
-static void *op_init(struct fuse_conn_info *conn, struct fuse_config *cfg) {
-        /* Sizes and names never change behind the kernel's back. */
-        cfg->entry_timeout = 3600;
-        cfg->attr_timeout = 3600;
-        cfg->negative_timeout = 3600;
-        cfg->use_ino = 0;
-        cfg->hard_remove = 1;
+static Image *image_of(fuse_req_t req, int file) {
+        return daemon_image(daemon_of(req), (DaemonImage) file);
+}
+
+static int attr_fill(fuse_req_t req, fuse_ino_t ino, struct stat *st) {
+        int file;
+
+        memset(st, 0, sizeof(*st));
+        st->st_ino = ino;
+        st->st_uid = getuid();
+        st->st_gid = getgid();
+        st->st_nlink = 1;
+        if (ino == FUSE_ROOT_ID) {
+                st->st_mode = S_IFDIR | 0755;
+                st->st_nlink = 2;
+                return 0;
+        }
+        file = file_of(ino);
+        if (file < 0)
+                return file;
+        if (file == FILE_STATS) {
+                st->st_mode = S_IFREG | 0444;
+                return 0;
+        }
+        st->st_mode = S_IFREG | 0600;
+        st->st_size = (off_t) image_size(image_of(req, file));
+        st->st_blocks = (st->st_size + 511) / 512;
+        st->st_blksize = (blksize_t) image_chunk_size(image_of(req, file));
+        return 0;
+}
+
+static void op_init(void *userdata, struct fuse_conn_info *conn) {
+        (void) userdata;
         /* Deep readahead and many background requests: each chunk that is not in RAM costs a cache file
          * open and read (or a server round trip), so sequential reads need many chunks in flight. */
         conn->max_readahead = 8 << 20;
@@ -78,183 +118,283 @@ static void *op_init(struct fuse_conn_info *conn, struct fuse_config *cfg) {
                 conn->want |= FUSE_CAP_ASYNC_DIO;
         if (conn->capable & FUSE_CAP_PARALLEL_DIROPS)
                 conn->want |= FUSE_CAP_PARALLEL_DIROPS;
-        return fuse_get_context()->private_data;
 }
 
-static int op_getattr(const char *path, struct stat *st, struct fuse_file_info *fi) {
-        int file;
+static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
+        struct fuse_entry_param e = { .attr_timeout = TIMEOUT, .entry_timeout = TIMEOUT };
 
-        (void) fi;
-        memset(st, 0, sizeof(*st));
-        st->st_uid = getuid();
-        st->st_gid = getgid();
-        st->st_nlink = 1;
-        if (strcmp(path, "/") == 0) {
-                st->st_mode = S_IFDIR | 0755;
-                st->st_nlink = 2;
-                return 0;
+        if (parent != FUSE_ROOT_ID) {
+                fuse_reply_err(req, ENOTDIR);
+                return;
         }
-        file = file_of(path);
-        if (file < 0)
-                return file;
-        if (file == FILE_STATS) {
-                st->st_mode = S_IFREG | 0444;
-                return 0;
-        }
-        st->st_mode = S_IFREG | 0600;
-        st->st_size = (off_t) image_size(daemon_image(current_daemon(), (DaemonImage) file));
-        st->st_blocks = (st->st_size + 511) / 512;
-        st->st_blksize = (blksize_t) image_chunk_size(daemon_image(current_daemon(), (DaemonImage) file));
-        return 0;
-}
-
-static int op_readdir(const char *path, void *buf, fuse_fill_dir_t fill, off_t offset, struct fuse_file_info *fi,
-                      enum fuse_readdir_flags flags) {
-        (void) offset;
-        (void) fi;
-        (void) flags;
-        if (strcmp(path, "/") != 0)
-                return -ENOTDIR;
-        fill(buf, ".", NULL, 0, 0);
-        fill(buf, "..", NULL, 0, 0);
         for (int i = 0; i < _FILE_MAX; i++)
-                fill(buf, file_names[i], NULL, 0, 0);
-        return 0;
+                if (strcmp(name, file_names[i]) == 0) {
+                        e.ino = FIRST_FILE_INO + (fuse_ino_t) i;
+                        e.generation = 1;
+                        attr_fill(req, e.ino, &e.attr);
+                        break;
+                }
+        /* Not found: an entry with inode 0 is a negative entry, cached as long as the others. */
+        fuse_reply_entry(req, &e);
 }
 
-static int op_open(const char *path, struct fuse_file_info *fi) {
-        int file = file_of(path);
-        StatsSnapshot *snap;
+static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+        struct stat st;
         int r;
 
-        if (file < 0)
-                return file;
-        if (file != FILE_STATS) {
-                if (fi->flags & O_TRUNC)
-                        return -EPERM;
-                fi->keep_cache = 1;
-                fi->fh = (uint64_t) file;
-                return 0;
+        (void) fi;
+        r = attr_fill(req, ino, &st);
+        if (r < 0)
+                fuse_reply_err(req, -r);
+        else
+                fuse_reply_attr(req, &st, TIMEOUT);
+}
+
+static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to_set, struct fuse_file_info *fi) {
+        int file = file_of(ino), r = 0;
+        struct stat st;
+
+        (void) fi;
+        /* Only a size that is already the image's size is accepted; modes, owners and times are not kept. */
+        if (to_set & (FUSE_SET_ATTR_MODE | FUSE_SET_ATTR_UID | FUSE_SET_ATTR_GID))
+                r = -ENOSYS;
+        else if ((to_set & FUSE_SET_ATTR_SIZE) &&
+                 (file < 0 || file == FILE_STATS || (uint64_t) attr->st_size != image_size(image_of(req, file))))
+                r = -EPERM;
+        else if (to_set & (FUSE_SET_ATTR_ATIME | FUSE_SET_ATTR_MTIME | FUSE_SET_ATTR_ATIME_NOW |
+                           FUSE_SET_ATTR_MTIME_NOW))
+                r = -ENOSYS;
+        if (r >= 0)
+                r = attr_fill(req, ino, &st);
+        if (r < 0)
+                fuse_reply_err(req, -r);
+        else
+                fuse_reply_attr(req, &st, TIMEOUT);
+}
+
+static void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset, struct fuse_file_info *fi) {
+        static const char *const dots[] = { ".", ".." };
+        char buf[512];
+        size_t len = 0;
+        off_t next = 0;
+
+        (void) fi;
+        if (ino != FUSE_ROOT_ID) {
+                fuse_reply_err(req, ENOTDIR);
+                return;
         }
-        if ((fi->flags & O_ACCMODE) != O_RDONLY)
-                return -EACCES;
+        if (size > sizeof(buf))
+                size = sizeof(buf);
+        /* Entry k (0-based) carries offset k + 1, the offset to continue after it. */
+        for (int k = (int) offset; k < 2 + _FILE_MAX; k++) {
+                struct stat st = { .st_mode = k < 2 ? S_IFDIR : S_IFREG };
+                const char *name = k < 2 ? dots[k] : file_names[k - 2];
+                size_t n;
+
+                st.st_ino = k < 2 ? FUSE_ROOT_ID : FIRST_FILE_INO + (fuse_ino_t) (k - 2);
+                next = k + 1;
+                n = fuse_add_direntry(req, buf + len, size - len, name, &st, next);
+                if (n > size - len)
+                        break;
+                len += n;
+        }
+        fuse_reply_buf(req, buf, len);
+}
+
+static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+        int file = file_of(ino), r;
+        StatsSnapshot *snap;
+
+        if (ino == FUSE_ROOT_ID) {
+                fuse_reply_err(req, EISDIR);
+                return;
+        }
+        if (file < 0) {
+                fuse_reply_err(req, -file);
+                return;
+        }
+        if (file != FILE_STATS) {
+                if (fi->flags & O_TRUNC) {
+                        fuse_reply_err(req, EPERM);
+                        return;
+                }
+                fi->keep_cache = 1;
+                fi->fh = (uint64_t) file | ((fi->flags & O_ACCMODE) != O_RDONLY ? FH_WRITABLE : 0);
+                fuse_reply_open(req, fi);
+                return;
+        }
+        if ((fi->flags & O_ACCMODE) != O_RDONLY) {
+                fuse_reply_err(req, EACCES);
+                return;
+        }
         snap = calloc(1, sizeof(*snap));
-        if (!snap)
-                return -ENOMEM;
-        r = daemon_status_json(current_daemon(), &snap->text, &snap->len);
+        if (!snap) {
+                fuse_reply_err(req, ENOMEM);
+                return;
+        }
+        r = daemon_status_json(daemon_of(req), &snap->text, &snap->len);
         if (r < 0) {
                 free(snap);
-                return r;
+                fuse_reply_err(req, -r);
+                return;
         }
         fi->direct_io = 1;
         fi->fh = (uint64_t) (uintptr_t) snap;
-        return 0;
+        if (fuse_reply_open(req, fi) == -ENOENT) {
+                /* The opener is gone (interrupted): no release will come. */
+                free(snap->text);
+                free(snap);
+        }
 }
 
-static int op_release(const char *path, struct fuse_file_info *fi) {
-        if (file_of(path) == FILE_STATS) {
+static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+        if (file_of(ino) == FILE_STATS) {
                 StatsSnapshot *snap = (StatsSnapshot *) (uintptr_t) fi->fh;
 
                 free(snap->text);
                 free(snap);
         }
-        return 0;
+        fuse_reply_err(req, 0);
 }
 
-static int op_read(const char *path, char *buf, size_t size, off_t offset, struct fuse_file_info *fi) {
-        int file = file_of(path);
+static void read_stats(fuse_req_t req, size_t size, off_t offset, struct fuse_file_info *fi) {
+        StatsSnapshot *snap = (StatsSnapshot *) (uintptr_t) fi->fh;
+        char *copy;
 
-        if (file < 0)
-                return file;
-        if (file == FILE_STATS) {
-                StatsSnapshot *snap = (StatsSnapshot *) (uintptr_t) fi->fh;
-
-                if ((size_t) offset >= snap->len)
-                        return 0;
-                if (size > snap->len - (size_t) offset)
-                        size = snap->len - (size_t) offset;
-                memcpy(buf, snap->text + offset, size);
-                return (int) size;
+        if (offset < 0 || (size_t) offset >= snap->len) {
+                fuse_reply_buf(req, NULL, 0);
+                return;
         }
-        return (int) image_read(daemon_image(current_daemon(), (DaemonImage) file), buf, size, (uint64_t) offset);
+        if (size > snap->len - (size_t) offset)
+                size = snap->len - (size_t) offset;
+        /* Replied from a copy: once the kernel has the reply, the reader may close the file and the release
+         * free the snapshot on another thread while this one is still returning from the write. */
+        copy = malloc(size);
+        if (!copy) {
+                fuse_reply_err(req, ENOMEM);
+                return;
+        }
+        memcpy(copy, snap->text + offset, size);
+        fuse_reply_buf(req, copy, size);
+        free(copy);
 }
 
-static int op_write(const char *path, const char *buf, size_t size, off_t offset, struct fuse_file_info *fi) {
-        int file = file_of(path);
+/* Replies with pointers into the RAM cache: the kernel copies them into its page cache, then they are unpinned. */
+static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset, struct fuse_file_info *fi) {
+        struct iovec stack_iov[READ_IOV_STACK], *iov = stack_iov;
+        int file = file_of(ino);
+        size_t max_iov, n = 0;
+        Image *img;
+        ssize_t r;
+
+        if (file < 0 || offset < 0) {
+                fuse_reply_err(req, file < 0 ? -file : EINVAL);
+                return;
+        }
+        if (file == FILE_STATS) {
+                read_stats(req, size, offset, fi);
+                return;
+        }
+        img = image_of(req, file);
+        max_iov = image_read_pieces_max(img, size);
+        if (max_iov > READ_IOV_STACK) {
+                iov = malloc(max_iov * sizeof(*iov));
+                if (!iov) {
+                        fuse_reply_err(req, ENOMEM);
+                        return;
+                }
+        }
+        r = image_read_pin(img, size, (uint64_t) offset, iov, max_iov, &n);
+        if (r < 0)
+                fuse_reply_err(req, (int) -r);
+        else
+                fuse_reply_iov(req, iov, (int) n);
+        image_read_release(img, iov, n, (uint64_t) offset);
+        if (iov != stack_iov)
+                free(iov);
+}
+
+static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, off_t offset,
+                     struct fuse_file_info *fi) {
+        int file = file_of(ino);
+        ssize_t r;
 
         (void) fi;
-        if (file < 0)
-                return file;
-        if (file == FILE_STATS)
-                return -EACCES;
-        return (int) image_write(daemon_image(current_daemon(), (DaemonImage) file), buf, size, (uint64_t) offset);
+        if (file < 0 || file == FILE_STATS || offset < 0) {
+                fuse_reply_err(req, file < 0 ? -file : file == FILE_STATS ? EACCES : EINVAL);
+                return;
+        }
+        r = image_write(image_of(req, file), buf, size, (uint64_t) offset);
+        if (r < 0)
+                fuse_reply_err(req, (int) -r);
+        else
+                fuse_reply_write(req, (size_t) r);
 }
 
-static int flush_file(const char *path) {
-        int file = file_of(path);
-        int r;
+static int flush_file(fuse_req_t req, fuse_ino_t ino) {
+        int file = file_of(ino);
 
         if (file < 0 || file == FILE_STATS)
                 return file < 0 ? file : 0;
-        r = image_flush(daemon_image(current_daemon(), (DaemonImage) file));
-        return r < 0 ? -EIO : 0;
+        return image_flush(image_of(req, file)) < 0 ? -EIO : 0;
 }
 
-static int op_fsync(const char *path, int datasync, struct fuse_file_info *fi) {
+static void op_fsync(fuse_req_t req, fuse_ino_t ino, int datasync, struct fuse_file_info *fi) {
         (void) datasync;
         (void) fi;
-        return flush_file(path);
+        fuse_reply_err(req, -flush_file(req, ino));
 }
 
-static int op_flush(const char *path, struct fuse_file_info *fi) {
-        /* close(): cheap when nothing is dirty, and a closing QEMU expects its data to be safe. */
-        if ((fi->flags & O_ACCMODE) == O_RDONLY)
-                return 0;
-        return flush_file(path);
+static void op_flush(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+        /* close(): cheap when nothing is dirty, and a closing QEMU expects its data to be safe.  A
+         * read-only descriptor has nothing to make safe. */
+        if (file_of(ino) == FILE_STATS || !(fi->fh & FH_WRITABLE)) {
+                fuse_reply_err(req, 0);
+                return;
+        }
+        fuse_reply_err(req, -flush_file(req, ino));
 }
 
-static int op_truncate(const char *path, off_t size, struct fuse_file_info *fi) {
-        int file = file_of(path);
-
-        (void) fi;
-        if (file < 0)
-                return file;
-        if (file == FILE_STATS || (uint64_t) size != image_size(daemon_image(current_daemon(), (DaemonImage) file)))
-                return -EPERM;
-        return 0;
-}
-
-static int op_statfs(const char *path, struct statvfs *st) {
-        Daemon *d = current_daemon();
+static void op_statfs(fuse_req_t req, fuse_ino_t ino) {
+        Daemon *d = daemon_of(req);
+        struct statvfs st;
         uint64_t total = 0;
 
-        (void) path;
+        (void) ino;
         for (int i = 0; i < _DAEMON_IMAGE_MAX; i++)
                 total += image_size(daemon_image(d, (DaemonImage) i));
-        memset(st, 0, sizeof(*st));
-        st->f_bsize = 4096;
-        st->f_frsize = 4096;
-        st->f_blocks = total / 4096;
-        st->f_files = _FILE_MAX;
-        st->f_namemax = 255;
-        return 0;
+        memset(&st, 0, sizeof(st));
+        st.f_bsize = 4096;
+        st.f_frsize = 4096;
+        st.f_blocks = total / 4096;
+        st.f_files = _FILE_MAX;
+        st.f_namemax = 255;
+        fuse_reply_statfs(req, &st);
 }
 
-static int op_fallocate(const char *path, int mode, off_t offset, off_t length, struct fuse_file_info *fi) {
-        (void) mode;
+static void op_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset, off_t length,
+                         struct fuse_file_info *fi) {
+        int file = file_of(ino);
+
         (void) fi;
-        if (file_of(path) < 0)
-                return -ENOENT;
+        if (file < 0) {
+                fuse_reply_err(req, ENOENT);
+                return;
+        }
         /* The images are fully allocated already; growing them is not allowed. */
-        if (offset < 0 || length < 0 ||
-            (uint64_t) (offset + length) > image_size(daemon_image(current_daemon(), (DaemonImage) file_of(path))))
-                return -EOPNOTSUPP;
-        return mode == 0 ? 0 : -EOPNOTSUPP;
+        if (file == FILE_STATS || offset < 0 || length < 0 ||
+            (uint64_t) (offset + length) > image_size(image_of(req, file))) {
+                fuse_reply_err(req, EOPNOTSUPP);
+                return;
+        }
+        fuse_reply_err(req, mode == 0 ? 0 : EOPNOTSUPP);
 }
 
-static const struct fuse_operations operations = {
+static const struct fuse_lowlevel_ops operations = {
         .init = op_init,
+        .lookup = op_lookup,
         .getattr = op_getattr,
+        .setattr = op_setattr,
         .readdir = op_readdir,
         .open = op_open,
         .release = op_release,
@@ -262,7 +402,6 @@ static const struct fuse_operations operations = {
         .write = op_write,
         .fsync = op_fsync,
         .flush = op_flush,
-        .truncate = op_truncate,
         .statfs = op_statfs,
         .fallocate = op_fallocate,
 };
@@ -286,22 +425,23 @@ int mount_new(Daemon *d, const FuseOptions *options, Mount **ret) {
                         r = -ENOMEM;
                         goto out_free;
                 }
-        m->fuse = fuse_new(&m->args, &operations, sizeof(operations), m);
-        if (!m->fuse) {
+        m->session = fuse_session_new(&m->args, &operations, sizeof(operations), m);
+        if (!m->session) {
                 log_error("failed to set up the file system (bad FUSE options?)");
                 r = -EINVAL;
                 goto out_free;
         }
-        if (fuse_mount(m->fuse, m->mountpoint) != 0) {
+        if (fuse_set_signal_handlers(m->session) != 0) {
+                r = -EIO;
+                goto out_free;
+        }
+        m->signals = true;
+        if (fuse_session_mount(m->session, m->mountpoint) != 0) {
                 log_error("failed to mount on %s", m->mountpoint);
                 r = -EIO;
                 goto out_free;
         }
         m->mounted = true;
-        if (fuse_set_signal_handlers(fuse_get_session(m->fuse)) != 0) {
-                r = -EIO;
-                goto out_free;
-        }
         *ret = m;
         return 0;
 
@@ -317,9 +457,10 @@ int mount_run(Mount *m) {
         config = fuse_loop_cfg_create();
         if (!config)
                 return -ENOMEM;
+        /* Idle threads are kept (libfuse's default): reaping them costs a thread creation per burst of
+         * readahead requests. */
         fuse_loop_cfg_set_max_threads(config, m->max_threads);
-        fuse_loop_cfg_set_idle_threads(config, 16);
-        r = fuse_loop_mt(m->fuse, config);
+        r = fuse_session_loop_mt(m->session, config);
         fuse_loop_cfg_destroy(config);
         return r == 0 ? 0 : -EIO;
 }
@@ -327,11 +468,12 @@ int mount_run(Mount *m) {
 Mount *mount_free(Mount *m) {
         if (!m)
                 return NULL;
-        if (m->fuse) {
-                fuse_remove_signal_handlers(fuse_get_session(m->fuse));
+        if (m->session) {
+                if (m->signals)
+                        fuse_remove_signal_handlers(m->session);
                 if (m->mounted)
-                        fuse_unmount(m->fuse);
-                fuse_destroy(m->fuse);
+                        fuse_session_unmount(m->session);
+                fuse_session_destroy(m->session);
         }
         fuse_opt_free_args(&m->args);
         free(m->mountpoint);

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: GPL-2.0-or-later */
 /*
- * Tests for cache.c: put/get, verification and quarantine of a damaged object, batches (nothing visible
- * before commit), rebuilding a lost or damaged index from the files, and eviction under a size limit
- * (least recently used first, never a pinned object, pins shared by two handles like two processes).
+ * Tests for cache.c: put/get (also into a caller's buffer, directly and through the page cache),
+ * verification and quarantine of a damaged object, batches (nothing visible before commit), rebuilding a
+ * lost or damaged index from the files, and eviction under a size limit (least recently used first, never
+ * a pinned object, pins shared by two handles like two processes).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -120,6 +121,46 @@ static void test_damaged_object_is_quarantined(void **state) {
         /* A truncated file is caught too. */
         assert_int_equal(cache_put(c, tag, obj, len - 1, false), 0);
         assert_int_equal(cache_get(c, tag, &back, &back_len), -EBADMSG);
+        free(obj);
+        cache_free(c);
+}
+
+/* cache_get_into(): into the caller's buffer (page-aligned: direct I/O; or not), -ENOBUFS when it is too
+ * small, and the same verification and quarantine as cache_get(). */
+static void test_get_into_buffer(void **state) {
+        Fixture *f = *state;
+        uint8_t tag[CHUNK_TAG_LEN], *obj, *buf = NULL;
+        size_t len, size, got = 0;
+        char path[256];
+        FILE *file;
+        Cache *c;
+
+        assert_int_equal(cache_open(f->dir, &c), 0);
+        make_object(3, 20000, &obj, &len, tag);
+        size = (len + 4095) / 4096 * 4096;
+        assert_int_equal(posix_memalign((void **) &buf, 4096, size + 4096), 0);
+        assert_int_equal(cache_get_into(c, tag, buf, size, &got), -ENOENT);
+        /* Not synced: a direct read must still see what is only in the page cache. */
+        assert_int_equal(cache_put(c, tag, obj, len, false), 0);
+        assert_int_equal(cache_get_into(c, tag, buf, size, &got), 0);
+        assert_int_equal(got, len);
+        assert_memory_equal(buf, obj, len);
+        memset(buf, 0, size + 4096);
+        assert_int_equal(cache_get_into(c, tag, buf + 1, size, &got), 0);
+        assert_int_equal(got, len);
+        assert_memory_equal(buf + 1, obj, len);
+        assert_int_equal(cache_get_into(c, tag, buf, len - 1, &got), -ENOBUFS);
+        assert_true(cache_has(c, tag));
+
+        object_path(f, tag, path, sizeof(path));
+        file = fopen(path, "r+b");
+        assert_non_null(file);
+        fseek(file, 100, SEEK_SET);
+        fputc(obj[100] ^ 0x80, file);
+        fclose(file);
+        assert_int_equal(cache_get_into(c, tag, buf, size, &got), -EBADMSG);
+        assert_false(cache_has(c, tag));
+        free(buf);
         free(obj);
         cache_free(c);
 }
@@ -272,6 +313,7 @@ int main(void) {
         const struct CMUnitTest tests[] = {
                 cmocka_unit_test_setup_teardown(test_put_get, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_damaged_object_is_quarantined, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_get_into_buffer, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_batch_visible_only_after_commit, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_index_rebuilt_when_lost_or_damaged, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_eviction_order_and_pins, setup, teardown),
