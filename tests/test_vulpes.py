@@ -385,11 +385,18 @@ def test_cache_limit_evicts_and_refetches(vulpes_binary: Path, isr_server: IsrSe
         assert status["cache"]["pinned"] == 0
         assert status["hits"]["server"] == len(state.records["disk"])
         assert cache_bytes_on_disk(cache) <= limit
-    # A fresh daemon (empty RAM cache): what was evicted is fetched again, and the bytes are right.
+    # A fresh daemon (empty RAM cache). The last megabyte was read last, so it is still in the cache; read it
+    # first (a sequential read from the start would push it out before reaching it: LRU under a scan).
     with server_vulpes(vulpes_binary, tmp_path, state, isr_server, extra=["--cache-limit=4"]) as v:
+        with open(v.path("disk"), "rb") as f:
+            f.seek(len(content) - MIB)
+            assert f.read() == content[-MIB:]
+        status = v.status()
+        assert status["hits"]["cache"] > 0 and status["hits"]["server"] == 0
+        # What was evicted is fetched again, and the bytes are right.
         assert read_all(v.path("disk")) == content
         status = v.status()
-        assert 0 < status["hits"]["server"] < len(state.records["disk"]) and status["hits"]["cache"] > 0
+        assert 0 < status["hits"]["server"] < len(state.records["disk"])
         wait_until(lambda: v.status()["cache"]["bytes"] <= limit, 30, "eviction")
         assert cache_bytes_on_disk(cache) <= limit
 
