@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--no-update", action="store_true", help="do not update BENCHMARKS.md")
     args = parser.parse_args()
+    load = os.getloadavg()[0]  # before this run adds its own
     binary = Path(os.environ.get("ISR_BUILD_DIR", REPO / "build")) / "vulpes" / "vulpes"
     size = args.size_mib * MIB
 
@@ -121,12 +122,13 @@ dropped before the plain file and the "cache files on disk" runs: there vulpes o
 chunk (chunks/ab/cd/<tag>, cold directories and inodes included), verifies it (SHA-256), decrypts it
 (AES-256-GCM) and decompresses it (zstd); on a sequential pattern its readahead workers do that for the
 next 8 MiB in parallel (doc/vulpes.md, "Read path"). "Cache files in page cache" is a fresh vulpes (empty RAM cache)
-right after, so the cache files are in the kernel's page cache: the cost of verifying and decoding alone.
+right after; vulpes reads cache files with O_DIRECT where the file system allows it, so on this machine
+they are not left in the page cache and this column is a second cold pass.
 "RAM cache" is a second pass in the first mount with the page cache dropped: vulpes's plaintext RAM cache
 holds every chunk, so it measures the FUSE path. Ratios to the plain file in parentheses. Random reads: {args.random_reads} 4 KiB reads at the same random aligned offsets for both sides.
-Median of {args.trials} trials. The machine is shared with other work (another session was booting QEMU
-guests during these runs) and its virtual disk is cached by the host, so single trials swing widely;
-compare within a trial (all trials are listed).
+Median of {args.trials} trials; load average {load:.2f} when the run started. The machine's virtual disk is
+cached by the host, so single trials of the plain file swing widely (a trial that finds it in the host's
+cache reads at 1–2 GB/s); compare within a trial (all trials are listed).
 
 Machine: {machine()}. Date: {today()}. Command: `.venv/bin/python bench/vulpes_read.py --size-mib {args.size_mib}
 --random-reads {args.random_reads} --trials {args.trials}`.
