@@ -202,6 +202,26 @@ def test_kill9_after_flush_loses_nothing(vulpes_binary: Path, isr_server: IsrSer
         assert got[:11] in (model[:11], b"not flushed")
 
 
+def test_close_after_write_is_durable(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
+    """Closing a descriptor opened for writing flushes like fsync: kill -9 right after the close loses nothing."""
+    content = random_image(4 * MIB, seed=33)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    state.publish(isr_server.store)
+    model = bytearray(content)
+    data = random.Random(5).randbytes(300_000)
+    model[100_000:100_000 + len(data)] = data
+    v = server_vulpes(vulpes_binary, tmp_path, state, isr_server, extra=["--flush-interval=3600000"])
+    v.start()
+    try:
+        with open(v.path("disk"), "r+b", buffering=0) as f:
+            f.seek(100_000)
+            f.write(data)
+    finally:
+        v.kill()
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        assert read_all(v.path("disk")) == model
+
+
 # --- corruption and outages ------------------------------------------------------------------------------
 
 def test_corrupt_cache_entry_is_refetched(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
