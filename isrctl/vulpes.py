@@ -92,6 +92,29 @@ def log_tail(path: Path, offset: int) -> str:
         return ""
 
 
+
+def control_request(path: Path, request: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    """One JSON-lines exchange on a vulpes control socket: the response as vulpes sent it, refusals included.
+    Raises VulpesFailure if the socket cannot be reached or the answer is not JSON."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(str(path))
+            sock.sendall(json.dumps(request).encode() + b"\n")
+            buf = b""
+            while not buf.endswith(b"\n"):
+                more = sock.recv(65536)
+                if not more:
+                    raise VulpesFailure(f"vulpes closed its control socket during {request.get('op')}")
+                buf += more
+    except OSError as exc:
+        raise VulpesFailure(f"vulpes control socket {path}: {exc}") from None
+    try:
+        response: dict[str, Any] = json.loads(buf)
+    except ValueError:
+        raise VulpesFailure(f"vulpes answered {request.get('op')} with something that is not JSON") from None
+    return response
+
 class Vulpes:
     """One vulpes process serving one parcel on ``mountpoint`` (files ``disk``, ``memory``, ``stats``)."""
 
@@ -180,23 +203,7 @@ class Vulpes:
     def control(self, request: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
         """Send one request and return the response; raises VulpesFailure if vulpes refuses it or cannot be
         reached."""
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                sock.settimeout(timeout)
-                sock.connect(str(self.control_path))
-                sock.sendall(json.dumps(request).encode() + b"\n")
-                buf = b""
-                while not buf.endswith(b"\n"):
-                    more = sock.recv(65536)
-                    if not more:
-                        raise VulpesFailure(f"vulpes closed its control socket during {request.get('op')}")
-                    buf += more
-        except OSError as exc:
-            raise VulpesFailure(f"vulpes control socket {self.control_path}: {exc}") from None
-        try:
-            response: dict[str, Any] = json.loads(buf)
-        except ValueError:
-            raise VulpesFailure(f"vulpes answered {request.get('op')} with something that is not JSON") from None
+        response = control_request(self.control_path, request, timeout)
         if not response.get("ok"):
             raise VulpesFailure(f"vulpes refused {request.get('op')}: {response.get('error', response)}")
         return response

@@ -16,7 +16,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import threading
@@ -28,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from isrctl.vulpes import control_request
 from parcels.chunk import chunk_count, encode_chunk, is_zero
 from parcels.keyring import Keyring, KeyringRecord, wrap_chunk_key
 
@@ -431,18 +431,7 @@ class Vulpes:
         return self.mountpoint / name
 
     def control(self, request: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout)
-            s.connect(str(self.control_path))
-            s.sendall(json.dumps(request).encode() + b"\n")
-            buf = b""
-            while not buf.endswith(b"\n"):
-                more = s.recv(65536)
-                if not more:
-                    raise VulpesError(f"control socket closed during {request}")
-                buf += more
-        response: dict[str, Any] = json.loads(buf)
-        return response
+        return control_request(self.control_path, request, timeout)
 
     def status(self) -> dict[str, Any]:
         response = self.control({"op": "status"})
