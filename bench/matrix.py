@@ -298,6 +298,7 @@ def run_site_b(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, n
         result["t5_link_bytes"] = link.delta()[0]
         status = b.stat(parcel).get("session_status") or {}
         result["vulpes_fetched_bytes"] = int(status.get("vulpes", {}).get("fetch", {}).get("bytes", 0))
+        result["vulpes_fetch"] = status.get("vulpes", {}).get("fetch", {})
         b.isr("suspend", parcel.name, "--no-checkin", timeout=timeout)
         b.wait_session_end(parcel, timeout=timeout)
         result["server_chunks"] = server_chunks(b.state_dir(parcel) / "traces", answered)

@@ -4,8 +4,10 @@ Each test talks to a real isr-server over real TLS (HTTP/2) through isrctl.remot
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
+import platform
 import socket
 import ssl
 import threading
@@ -51,6 +53,51 @@ def test_health_is_https_with_http2(server_env: ServerEnv) -> None:
         assert client.client.get("/v1/health").http_version == "HTTP/2"
     with server_env.server.client(http2=False) as client:
         assert client.client.get("/v1/health").http_version == "HTTP/1.1"
+
+
+def _peer_socket(pgid: int, client: socket.socket) -> socket.socket | None:
+    """The server's end of ``client``: a duplicate of the socket, taken from whichever isr-server process
+    (the granian workers share the session) holds it, with pidfd_getfd(2)."""
+    pidfd_getfd = {"x86_64": 438, "aarch64": 438}[platform.machine()]
+    libc = ctypes.CDLL(None, use_errno=True)
+    want = client.getsockname()
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if os.getpgid(pid) != pgid:
+                continue
+            fds = [(int(fd), os.readlink(f"/proc/{pid}/fd/{fd}")) for fd in os.listdir(f"/proc/{pid}/fd")]
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            for fd, target in fds:
+                if not target.startswith("socket:"):
+                    continue
+                dup = libc.syscall(pidfd_getfd, pidfd, fd, 0)
+                if dup < 0:
+                    continue
+                sock = socket.socket(fileno=dup)
+                try:
+                    if sock.type == socket.SOCK_STREAM and sock.getpeername() == want:
+                        return sock
+                except OSError:
+                    pass
+                sock.close()
+        finally:
+            os.close(pidfd)
+    return None
+
+
+def test_connections_send_without_nagle(server_env: ServerEnv) -> None:
+    """Every accepted connection has TCP_NODELAY: granian sets none, and with Nagle the tail of one chunk
+    GET in every few on an HTTP/2 connection waited for the client's delayed ACK (40 ms on top of the RTT)."""
+    proc = server_env.server.proc
+    assert proc is not None
+    host, port = server_env.server.url.removeprefix("https://").rsplit(":", 1)
+    with socket.create_connection((host.strip("[]"), int(port))) as client:
+        peer = wait_until(lambda: _peer_socket(proc.pid, client), timeout=30, what="the server's end of a connection")
+        with peer:
+            assert peer.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
