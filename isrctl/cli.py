@@ -617,10 +617,8 @@ def _hoard(state_dir: Path, state: ParcelState, parcel_keys: Any, client: Client
 
 def _note_throughput(nbytes: int, seconds: float) -> None:
     """A hoard's transfer rate also informs the hoard scheduler's plans."""
-    path = paths.schedule_state_file()
-    state = schedulemod.RunnerState.load(path)
-    state.add_sample(nbytes, seconds)
-    state.save(path)
+    with schedulemod.RunnerState.updating(paths.schedule_state_file()) as state:
+        state.add_sample(nbytes, seconds)
 
 
 # --- site rules and hoard scheduling ---------------------------------------------------------------------

@@ -319,6 +319,19 @@ class RunnerState:
         write_private(path, json.dumps({"done": self.done, "samples": self.samples, "history": self.history},
                                        indent=1).encode())
 
+    @classmethod
+    @contextlib.contextmanager
+    def updating(cls, path: Path) -> Iterator[RunnerState]:
+        """Load, let the caller change, and save the state, under a lock next to it: `isr hoard` and the
+        runner both add to it, and a read-modify-write of each without the lock could drop the other's."""
+        lock_path = path.with_name(path.name + ".update-lock")
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock_path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            state = cls.load(path)
+            yield state
+            state.save(path)
+
     def add_sample(self, nbytes: int, seconds: float, when: float | None = None) -> None:
         # Tiny hoards measure latency, not throughput: only samples of at least 1 MiB count.
         if nbytes >= 1 << 20 and seconds > 0:
@@ -479,12 +492,9 @@ class Runner:
     def step(self) -> tuple[list[PlannedHoard], float]:
         """Re-plan, run every hoard that is due now, and return (the plan, seconds until the next look)."""
         config = ScheduleConfig.load(self.config_path)
-        state = RunnerState.load(self.state_path)
         now = self.clock()
-        remembered = len(state.done)
-        state.forget_past(now)
-        if len(state.done) != remembered:
-            state.save(self.state_path)
+        with RunnerState.updating(self.state_path) as state:
+            state.forget_past(now)
         read = read_calendars(config, now)
         for problem in read.problems:
             log.warning("%s", problem)
@@ -500,11 +510,10 @@ class Runner:
                      "; warning: not enough time" if hoard.status == "not enough time" else "")
             started = time.time()
             nbytes, seconds = self.hoarder.hoard(hoard.parcel, config.mode)
-            state = RunnerState.load(self.state_path)  # `isr hoard` may have added a sample meanwhile
-            state.add_sample(nbytes, seconds)
-            state.mark_done(hoard)
-            state.record(hoard, started, nbytes, seconds)
-            state.save(self.state_path)
+            with RunnerState.updating(self.state_path) as state:  # `isr hoard` may have added a sample meanwhile
+                state.add_sample(nbytes, seconds)
+                state.mark_done(hoard)
+                state.record(hoard, started, nbytes, seconds)
             log.info("hoarded %s of %s in %.1f s (%.1f Mbit/s); %s starts in %.0f s", human_bytes(nbytes),
                      hoard.parcel, seconds, nbytes * 8 / 1e6 / seconds if seconds > 0 else 0.0,
                      hoard.event.summary or "the event", (hoard.event.start - self.clock()).total_seconds())

@@ -3,6 +3,7 @@ site rules, the planning arithmetic, and the runner's persistent state and loop 
 from __future__ import annotations
 
 import datetime as dt
+import multiprocessing
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
@@ -252,6 +253,25 @@ def test_runner_state_survives_restarts_and_measures_throughput(tmp_path: Path) 
     assert again.throughput(now=2000.0 + 31 * 86400) is None
     path.write_text("{not json")
     assert RunnerState.load(path) == RunnerState()
+
+
+def _mark_many(path: Path, who: str, count: int) -> None:
+    for i in range(count):
+        with RunnerState.updating(path) as state:
+            state.done[f"{who}|{i}"] = 1
+
+
+def test_runner_state_updates_from_two_processes_are_all_kept(tmp_path: Path) -> None:
+    """`isr hoard` and the runner both read, change and write the state: no update may overwrite another."""
+    path = tmp_path / "state.json"
+    context = multiprocessing.get_context("fork")
+    writers = [context.Process(target=_mark_many, args=(path, who, 150)) for who in ("hoard", "runner")]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=120)
+        assert writer.exitcode == 0
+    assert len(RunnerState.load(path).done) == 300
 
 
 class Hoarder:
