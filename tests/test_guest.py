@@ -6,8 +6,11 @@ the migration stream (zstd file) and with RAM in a shared memory-backend file (x
 """
 from __future__ import annotations
 
+import base64
 import re
 import secrets
+import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -195,3 +198,29 @@ def test_suspend_resume_through_memory_leaves_no_state_file(guest_artifacts: Gue
         with resumed_guest(guest_artifacts, guest_disk, state[: len(state) // 2], run_dir=run_dir,
                            name="truncated", memory_file=ram):
             pass
+
+
+def test_poweroff_request_is_sent_again_when_the_agent_garbles_it() -> None:
+    """Under load the serial line has lost the start of a request line; the agent then names the rest as an
+    unknown request, and nothing ran, so the console sends it again (for run() and for poweroff alike)."""
+    host, guest = socket.socketpair()
+    lines: list[str] = []
+
+    def agent() -> None:
+        with guest, guest.makefile("rwb", buffering=0) as f:
+            for raw in f:
+                line = raw.decode().strip()
+                lines.append(line)
+                if len(lines) == 1:
+                    f.write(f"ISR-AGENT unknown request: {line.split()[-1][-4:]}\n".encode())
+                else:
+                    f.write(f"ISR-BEGIN {line.split()[1]}\n".encode())
+                    return
+
+    thread = threading.Thread(target=agent, daemon=True)
+    thread.start()
+    with host, GuestConsole(host, name="fake") as console:
+        console.request_poweroff()
+    thread.join(timeout=10)
+    assert len(lines) == 2 and all(line.startswith("ISR-RUN ") for line in lines)
+    assert base64.b64decode(lines[1].split()[3]) == b"isr-poweroff"

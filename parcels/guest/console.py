@@ -168,28 +168,9 @@ class GuestConsole:
         status raises `GuestCommandError`.
         """
         with self._command_lock:
-            request_id = f"{self._session}.{next(self._ids)}"
-            payload = base64.b64encode(command.encode()).decode()
             limit = max(1, math.ceil(timeout))
-            log.debug("%s: run [%s] %s", self.name, request_id, command)
+            request_id, begin = self._start(command, limit, timeout + _GRACE)
             rid = re.escape(request_id.encode())
-            started = re.compile(rb"ISR-BEGIN " + rid + rb"\r?\n|ISR-AGENT unknown request: [^\n]*\n")
-            for attempt in range(_REQUEST_ATTEMPTS):
-                with self._changed:
-                    # Whatever arrived since the last reply is noise (kernel messages): a stale complaint
-                    # from the agent there must not be taken as the answer to this request.
-                    self._cursor = len(self._buffer)
-                self.send_line(f"ISR-RUN {request_id} {limit} {payload}")
-                begin = self.wait_for(started, timeout + _GRACE, what=f"start of command {command!r}")
-                if begin.group().startswith(b"ISR-BEGIN"):
-                    break
-                # The agent did not understand the line (seen under heavy host load, when the serial line
-                # lost the start of a request): the command did not run, so sending it again is safe.
-                log.warning("%s: the agent garbled request %s (attempt %d): %r", self.name, request_id,
-                            attempt + 1, begin.group())
-            else:
-                raise GuestConsoleError(f"{self.name}: the agent did not understand command {command!r} "
-                                        f"{_REQUEST_ATTEMPTS} times\n{self.tail()}")
             end = self.wait_for(re.compile(rb"\nISR-END " + rid + rb" (\d+)\r?\n"), timeout + _GRACE,
                                 what=f"end of command {command!r}")
             with self._changed:
@@ -242,8 +223,29 @@ class GuestConsole:
     def _send_no_reply(self, command: str) -> None:
         # The agent never gets to print the end marker, so only wait for the start.
         with self._command_lock:
-            request_id = f"{self._session}.{next(self._ids)}"
-            payload = base64.b64encode(command.encode()).decode()
-            self.send_line(f"ISR-RUN {request_id} 60 {payload}")
-            self.wait_for(re.compile(rb"ISR-BEGIN " + re.escape(request_id.encode()) + rb"\r?\n"), 30,
-                          what=f"start of {command}")
+            self._start(command, 60, 30)
+
+    def _start(self, command: str, limit: int, timeout: float) -> tuple[str, re.Match[bytes]]:
+        """Send ``command`` as a new request and wait for the agent to start it; returns the request id and
+        the start marker. With the command lock held."""
+        request_id = f"{self._session}.{next(self._ids)}"
+        payload = base64.b64encode(command.encode()).decode()
+        log.debug("%s: run [%s] %s", self.name, request_id, command)
+        started = re.compile(rb"ISR-BEGIN " + re.escape(request_id.encode()) +
+                             rb"\r?\n|ISR-AGENT unknown request: [^\n]*\n")
+        for attempt in range(_REQUEST_ATTEMPTS):
+            with self._changed:
+                # Whatever arrived since the last reply is noise (kernel messages): a stale complaint
+                # from the agent there must not be taken as the answer to this request.
+                self._cursor = len(self._buffer)
+            self.send_line(f"ISR-RUN {request_id} {limit} {payload}")
+            begin = self.wait_for(started, timeout, what=f"start of command {command!r}")
+            if begin.group().startswith(b"ISR-BEGIN"):
+                return request_id, begin
+            # The agent did not understand the line (seen under heavy host load, when the serial line
+            # lost the start of a request; CI saw it for isr-poweroff): the command did not run, so
+            # sending it again is safe.
+            log.warning("%s: the agent garbled request %s (attempt %d): %r", self.name, request_id,
+                        attempt + 1, begin.group())
+        raise GuestConsoleError(f"{self.name}: the agent did not understand command {command!r} "
+                                f"{_REQUEST_ATTEMPTS} times\n{self.tail()}")
