@@ -438,6 +438,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float,
                         help="seconds any one step may take (default 600 + 1200 / rate in Mbit/s)")
     parser.add_argument("--work", type=Path, help="work directory (default: a new one under /var/tmp)")
+    parser.add_argument("--spread", type=Path, nargs="+", metavar="JSON",
+                        help="the cells every one of these runs measured, side by side (section "
+                             f"'{matrix_report.SPREAD}')")
     parser.add_argument("--report", type=Path, metavar="JSON",
                         help="measure nothing: write the sections from the raw results of an earlier run")
     parser.add_argument("--keep", action="store_true",
@@ -472,6 +475,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report:
         report(json.loads(args.report.read_text()), not args.no_update)
+        return 0
+    if args.spread:
+        body = matrix_report.spread([json.loads(path.read_text()) for path in args.spread])
+        print(f"\n## {matrix_report.SPREAD}\n\n{body}")
+        if not args.no_update:
+            matrix_report.write({matrix_report.SPREAD: body})
+            say("BENCHMARKS.md updated")
         return 0
     command = "bench/matrix.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     work = args.work or Path(tempfile.mkdtemp(prefix="isr-matrix-", dir="/var/tmp"))

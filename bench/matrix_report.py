@@ -27,6 +27,7 @@ PEERS = "isr: peers on the same links"
 MODEL = "isr: the policy model against the measurements"
 CHUNKS = "chunk size from the traces"
 SEEDS = "the seeds' figures beside ours"
+SPREAD = "isr: run-to-run spread"
 
 
 # --- numbers to text ----------------------------------------------------------------------------------------
@@ -429,3 +430,38 @@ def seeds(results: dict[str, Any]) -> str:
             f"workload without think time.{spread}\n\n"
             f"- {SEED_001}: {SETUPS['001']}\n- {SEED_003}: {SETUPS['003']}\n\n" + header(results) + "\n\n"
             + table(head, rows))
+
+
+# --- several runs -------------------------------------------------------------------------------------------
+
+def spread(runs: list[dict[str, Any]]) -> str:
+    """The cells that every run measured, side by side: how far one trial of a cell is from another."""
+    def key(cell: dict[str, Any]) -> tuple[Any, ...]:
+        return (cell["rate"], cell["rtt"], cell["ram"], cell["policy"])
+
+    by_run = [{key(c): c for c in run["cells"] if ok(c)} for run in runs]
+    common = [k for k in by_run[0] if all(k in other for other in by_run[1:])]
+    intro = ("The cells that each of these runs of `bench/matrix.py` measured, side by side, each run with its own "
+             "local baseline: one trial of a cell against another, on the same machine and code. The "
+             "spread is the largest over the smallest.\n\n")
+    runs_text = "\n".join(f"- run {i + 1}: " + header(run) for i, run in enumerate(runs))
+    if not common:
+        return intro + runs_text + "\n\nNo cell was measured by every run."
+
+    def series(values: list[Any]) -> str:
+        if any(v is None for v in values):
+            return DASH
+        text = " / ".join(f"{v:.1f}" for v in values)
+        return f"{text} ({max(values) / min(values):.2f})" if min(values) > 0 else text
+
+    head = ["link", "RAM (MiB)", "policy", "t4 until the guest answers (s): runs (spread)",
+            "t5 workload (s): runs (spread)", "slowdown vs local: runs"]
+    rows = []
+    for k in common:
+        cells = [run[k] for run in by_run]
+        slow = " / ".join(
+            f"{c['workload_b_s'] / local:.2f}×" if c.get("workload_b_s") and (local := local_workload(run, k[2]))
+            else DASH for c, run in zip(cells, runs))
+        rows.append([link_name(k[0], k[1]), str(k[2]), k[3], series([c.get("t4_responsive") for c in cells]),
+                     series([c.get("workload_b_s") for c in cells]), slow])
+    return intro + runs_text + "\n\n" + table(head, rows)
