@@ -10,6 +10,7 @@ import base64
 import re
 import secrets
 import socket
+import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -224,3 +225,54 @@ def test_poweroff_request_is_sent_again_when_the_agent_garbles_it() -> None:
     thread.join(timeout=10)
     assert len(lines) == 2 and all(line.startswith("ISR-RUN ") for line in lines)
     assert base64.b64decode(lines[1].split()[3]) == b"isr-poweroff"
+
+
+def test_a_lost_request_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request line that vanished on the serial line (no reply at all) is sent again with the same id."""
+    monkeypatch.setattr("parcels.guest.console._RESEND_AFTER", 0.5)
+    host, guest = socket.socketpair()
+    lines: list[str] = []
+
+    def agent() -> None:
+        with guest, guest.makefile("rwb", buffering=0) as f:
+            for raw in f:
+                lines.append(raw.decode().strip())
+                if len(lines) == 2:          # the first one is "lost"
+                    request_id = lines[1].split()[1]
+                    f.write(f"ISR-BEGIN {request_id}\nok\nISR-END {request_id} 0\n".encode())
+                    return
+
+    thread = threading.Thread(target=agent, daemon=True)
+    thread.start()
+    with host, GuestConsole(host, name="fake") as console:
+        assert console.run("echo ok", timeout=5) == (0, "ok")
+    thread.join(timeout=10)
+    assert len(lines) == 2 and lines[0] == lines[1]
+
+
+def test_agent_runs_a_repeated_request_once(tmp_path: Path) -> None:
+    """The guest's agent (run here by the host's sh) ignores a request with the id it ran last."""
+    agent = Path(__file__).parent.parent / "parcels" / "guest" / "files" / "isr-agent"
+
+    def request(request_id: str, command: str) -> bytes:
+        return f"ISR-RUN {request_id} 5 {base64.b64encode(command.encode()).decode()}\n".encode()
+
+    marks = tmp_path / "runs"
+    script = (request("a1", f"echo one >> {marks}") + request("a1", f"echo one >> {marks}") +
+              request("a2", f"echo two >> {marks}"))
+    proc = subprocess.Popen(["sh", str(agent)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(script)
+        proc.stdin.flush()
+        out = b""
+        while b"ISR-END a2" not in out:
+            chunk = proc.stdout.read1(4096)
+            assert chunk, out
+            out += chunk
+    finally:
+        proc.kill()
+        proc.wait()
+    assert out.count(b"ISR-BEGIN a1") == 1 and out.count(b"ISR-BEGIN a2") == 1
+    assert marks.read_text() == "one\ntwo\n"

@@ -34,6 +34,9 @@ _WORKLOAD = re.compile(rb"ISR-WORKLOAD (ok|fail) ([^\r\n]*)")
 _GRACE = 15.0
 #: How often a request the agent did not understand is sent again.
 _REQUEST_ATTEMPTS = 3
+#: A request that has not started after this long is sent again (the agent ignores a repeat of the id it
+#: ran last, so a request that was only slow does not run twice).
+_RESEND_AFTER = 10.0
 _TRANSCRIPT_TAIL = 3000
 
 
@@ -233,15 +236,27 @@ class GuestConsole:
         log.debug("%s: run [%s] %s", self.name, request_id, command)
         started = re.compile(rb"ISR-BEGIN " + re.escape(request_id.encode()) +
                              rb"\r?\n|ISR-AGENT unknown request: [^\n]*\n")
-        for attempt in range(_REQUEST_ATTEMPTS):
-            with self._changed:
-                # Whatever arrived since the last reply is noise (kernel messages): a stale complaint
-                # from the agent there must not be taken as the answer to this request.
-                self._cursor = len(self._buffer)
+        with self._changed:
+            # Whatever arrived since the last reply is noise (kernel messages): a stale complaint from the
+            # agent there must not be taken as the answer to this request.
+            self._cursor = len(self._buffer)
+        deadline = time.monotonic() + timeout
+        attempt = 0
+        while attempt < _REQUEST_ATTEMPTS:
             self.send_line(f"ISR-RUN {request_id} {limit} {payload}")
-            begin = self.wait_for(started, timeout, what=f"start of command {command!r}")
+            try:
+                begin = self.wait_for(started, min(_RESEND_AFTER, max(0.0, deadline - time.monotonic())),
+                                      what=f"start of command {command!r}")
+            except GuestTimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+                # Lost on the way, or only slow: the same id again is safe either way.
+                log.warning("%s: request %s has not started after %.0f s: sending it again", self.name,
+                            request_id, _RESEND_AFTER)
+                continue
             if begin.group().startswith(b"ISR-BEGIN"):
                 return request_id, begin
+            attempt += 1
             # The agent did not understand the line (seen under heavy host load, when the serial line
             # lost the start of a request; CI saw it for isr-poweroff): the command did not run, so
             # sending it again is safe.
