@@ -315,22 +315,28 @@ class RunnerState:
             log.warning("ignoring unreadable schedule state %s: %s", path, exc)
             return cls()
 
+    def _encode(self) -> bytes:
+        return json.dumps({"done": self.done, "samples": self.samples, "history": self.history},
+                          indent=1).encode()
+
     def save(self, path: Path) -> None:
-        write_private(path, json.dumps({"done": self.done, "samples": self.samples, "history": self.history},
-                                       indent=1).encode())
+        write_private(path, self._encode())
 
     @classmethod
     @contextlib.contextmanager
     def updating(cls, path: Path) -> Iterator[RunnerState]:
-        """Load, let the caller change, and save the state, under a lock next to it: `isr hoard` and the
-        runner both add to it, and a read-modify-write of each without the lock could drop the other's."""
+        """Load, let the caller change, and save the state (only if it changed), under a lock next to it:
+        `isr hoard` and the runner both add to it, and a read-modify-write of each without the lock could
+        drop the other's."""
         lock_path = path.with_name(path.name + ".update-lock")
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         with open(lock_path, "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             state = cls.load(path)
+            before = state._encode()
             yield state
-            state.save(path)
+            if state._encode() != before:
+                state.save(path)
 
     def add_sample(self, nbytes: int, seconds: float, when: float | None = None) -> None:
         # Tiny hoards measure latency, not throughput: only samples of at least 1 MiB count.
