@@ -261,6 +261,6 @@ class GuestConsole:
             # lost the start of a request; CI saw it for isr-poweroff): the command did not run, so
             # sending it again is safe.
             log.warning("%s: the agent garbled request %s (attempt %d): %r", self.name, request_id,
-                        attempt + 1, begin.group())
+                        attempt, begin.group())
         raise GuestConsoleError(f"{self.name}: the agent did not understand command {command!r} "
                                 f"{_REQUEST_ATTEMPTS} times\n{self.tail()}")
