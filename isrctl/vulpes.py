@@ -92,7 +92,6 @@ def log_tail(path: Path, offset: int) -> str:
         return ""
 
 
-
 def control_request(path: Path, request: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
     """One JSON-lines exchange on a vulpes control socket: the response as vulpes sent it, refusals included.
     Raises VulpesFailure if the socket cannot be reached or the answer is not JSON."""
@@ -114,6 +113,7 @@ def control_request(path: Path, request: dict[str, Any], timeout: float = 120.0)
     except ValueError:
         raise VulpesFailure(f"vulpes answered {request.get('op')} with something that is not JSON") from None
     return response
+
 
 class Vulpes:
     """One vulpes process serving one parcel on ``mountpoint`` (files ``disk``, ``memory``, ``stats``)."""
