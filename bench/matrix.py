@@ -5,10 +5,11 @@ Every ISR policy × link rate × added round-trip time × guest RAM size, the pe
 checkin throughput, the chunksim model's predictions and the seeds' own figures, in one run.
 
     .venv/bin/python bench/matrix.py --quick          # a few minutes: 10 Mbit/s, 20 ms, demand and proactive
-    .venv/bin/python bench/matrix.py --full           # everything (about 2.5 hours; see bench/README.md)
+    .venv/bin/python bench/matrix.py --full           # everything (about 1 3/4 hours; see bench/README.md)
         [--rates 100,10,1] [--rtts 0,50] [--policies demand,...] [--ram 256,1024]
         [--peers qemu-curl,...|--no-peers] [--json FILE] [--no-update] [--timeout S] [--keep]
     .venv/bin/python bench/matrix.py --report FILE.json [--no-update]   # the sections again, from raw results
+    .venv/bin/python bench/matrix.py --spread A.json B.json [--no-update]   # cells both runs measured
 
 `./bootstrap bench ARGS` installs toxiproxy and nbdkit first, then runs this. Needs root. Not part of the
 test suite.
@@ -80,7 +81,7 @@ MODES: dict[str, dict[str, list[Any]]] = {
     "full": {"rates": [100, 10, 1], "rtts": [0, 50], "policies": POLICIES, "ram": [256, 1024],
              "peers": list(ALL_PEERS)},
 }
-#: In --full mode, links this slow (Mbit/s) run only the first RTT: a cell there takes about 12 minutes, and
+#: In --full mode, links this slow (Mbit/s) run only the first RTT: a cell there takes about 6 minutes, and
 #: an RTT of tens of milliseconds is lost in transfers of minutes (an explicit --rtts applies to every rate).
 FULL_ONE_RTT_AT_OR_BELOW = 1
 #: ... and, for RAM sizes after the first, only these policies: the question a second RAM size answers is
@@ -533,7 +534,7 @@ def rtts_for(args: argparse.Namespace, rate: int, results: dict[str, Any]) -> li
     if args.mode != "full" or args.explicit_rtts or rate > FULL_ONE_RTT_AT_OR_BELOW or len(args.rtts) == 1:
         return args.rtts
     results["notes"].append(f"at {rate} Mbit/s only RTT +{args.rtts[0]} ms was run (full mode: a cell takes about "
-                            f"12 minutes there, and the added RTT is small next to its transfers)")
+                            f"6 minutes there, and the added RTT is small next to its transfers)")
     return args.rtts[:1]
 
 
