@@ -1,0 +1,52 @@
+"""The benchmark matrix's own logic that needs no links or guests: which cells --full runs, and the
+run-to-run spread report (bench/matrix.py, bench/matrix_report.py)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import matrix  # noqa: E402
+import matrix_report  # noqa: E402
+
+
+def _args(mode: str) -> argparse.Namespace:
+    return argparse.Namespace(mode=mode, policies=list(matrix.POLICIES), ram=[256, 1024], rtts=[0, 50],
+                              explicit_rtts=False)
+
+
+def test_full_mode_runs_the_second_ram_size_at_1_mbit_for_demand_only() -> None:
+    results: dict[str, Any] = {"notes": []}
+    full = _args("full")
+    assert matrix.policies_for(full, 100, 1024, results) == matrix.POLICIES
+    assert matrix.policies_for(full, 1, 256, results) == matrix.POLICIES
+    assert results["notes"] == []
+    assert matrix.policies_for(full, 1, 1024, results) == ["demand"]
+    assert len(results["notes"]) == 1 and "1024 MiB" in results["notes"][0]
+    assert matrix.policies_for(_args("quick"), 1, 1024, {"notes": []}) == matrix.POLICIES
+
+
+def _run(command: str, cells: list[dict[str, Any]], local_s: float) -> dict[str, Any]:
+    return {"meta": {"machine": "m", "date": "d", "command": command, "mode": "quick", "seconds": 60},
+            "local": {"256": {"status": "ok", "workload_s": local_s}}, "cells": cells}
+
+
+def _cell(policy: str, answered: float, workload: float, status: str = "ok") -> dict[str, Any]:
+    return {"rate": 10, "rtt": 20, "ram": 256, "policy": policy, "status": status,
+            "t4_responsive": answered, "workload_b_s": workload}
+
+
+def test_spread_sets_the_cells_every_run_measured_side_by_side() -> None:
+    first = _run("one", [_cell("demand", 20.0, 12.0), _cell("proactive", 2.0, 3.0)], 3.0)
+    second = _run("two", [_cell("demand", 22.0, 15.0), _cell("proactive", 2.0, 3.0, status="failed: x"),
+                          _cell("baseline", 37.0, 3.3)], 2.5)
+    text = matrix_report.spread([first, second])
+    assert "`one`" in text and "`two`" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 10 Mbit/s")]
+    # Only demand was measured (and ok) in both runs; each run's slowdown is against its own local run.
+    assert rows == ["| 10 Mbit/s, RTT +20 ms | 256 | demand | 20.0 / 22.0 (1.10) | 12.0 / 15.0 (1.25) "
+                    "| 4.00× / 6.00× |"]
+    assert "No cell was measured by every run" in matrix_report.spread([first, _run("three", [], 3.0)])
