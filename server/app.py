@@ -134,14 +134,7 @@ class Request:
 
     async def json(self, limit: int) -> dict[str, Any]:
         """The body as a JSON object (400 if it is not one)."""
-        data = await self.body(limit)
-        try:
-            value = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the body is not valid JSON: {e}", code="bad_json") from None
-        if not isinstance(value, dict):
-            raise BadRequest("the body must be a JSON object", code="bad_json")
-        return value
+        return json_object(await self.body(limit))
 
     def lock_nonce(self) -> str:
         value = self.headers.get("isr-lock")
@@ -753,6 +746,21 @@ class IsrApp:
         return Response(json={"missing": missing})
 
 
+def json_object(data: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; `BadRequest` (400, one line) if it is not one. Python's parser
+    recurses once per nesting level, so a body of a few thousand ``[`` raises RecursionError: that is bad
+    input too, not a server error."""
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON: {e}", code="bad_json") from None
+    except RecursionError:
+        raise BadRequest("the body is not valid JSON: it is nested too deeply", code="bad_json") from None
+    if not isinstance(value, dict):
+        raise BadRequest("the body must be a JSON object", code="bad_json")
+    return value
+
+
 def _name_list(value: object, what: str) -> list[str]:
     if not isinstance(value, list):
         raise BadRequest(f"{what} must be a JSON array of blob names", code="bad_blobs")
@@ -767,12 +775,7 @@ def _dirty_report(body: bytes) -> tuple[int, int, float] | None:
     ``{"dirty_chunks": n, "dirty_bytes": b, "reported": t}`` (`reported` defaults to now)."""
     if not body.strip():
         return None
-    try:
-        value = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the body is not valid JSON: {e}", code="bad_json") from None
-    if not isinstance(value, dict):
-        raise BadRequest("the body must be a JSON object", code="bad_json")
+    value = json_object(body)
     if not value:
         return None
     counts = []

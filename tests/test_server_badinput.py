@@ -74,6 +74,24 @@ def test_malformed_json(raw: Raw, alice: str, server_env: ServerEnv) -> None:
             assert_4xx(raw.send("POST", path, body, token=alice), 400)
 
 
+def test_deeply_nested_json_is_400(raw: Raw, alice: str, server_env: ServerEnv) -> None:
+    """A body nested deeper than Python's JSON parser can go (a RecursionError inside it) is bad input:
+    a 400 with a one-line error, also before any login, never a 500."""
+    parcel = server_env.new_parcel("alice")
+    status, body = raw.send("POST", f"/v1/parcels/{parcel}/lock", b'{"host": "h"}', token=alice)
+    assert status == 201, body
+    lock = {"ISR-Lock": body["nonce"]}
+    for depth in (1000, 10_000):  # both under the 64 KiB limit of a login body
+        for nested in (b"[" * depth + b"]" * depth, b'{"a":' * depth + b"1" + b"}" * depth):
+            for path, token, headers in (("/v1/login", None, None), ("/v1/chunks/missing", alice, None),
+                                         (f"/v1/parcels/{parcel}/lock/renew", alice, lock),
+                                         (f"/v1/parcels/{parcel}/versions", alice, lock)):
+                body = assert_4xx(raw.send("POST", path, nested, token=token, headers=headers), 400)
+                assert body["code"] == "bad_json", body
+                assert "\n" not in body["error"] and "nested" in body["error"], body
+    raw.send("DELETE", f"/v1/parcels/{parcel}/lock", token=alice, headers=lock)
+
+
 def test_wrong_field_types(raw: Raw, alice: str, server_env: ServerEnv) -> None:
     parcel = server_env.new_parcel("alice")
     assert_4xx(raw.send("POST", "/v1/login", json.dumps({"user": 5, "password": []}).encode()), 400)
