@@ -79,6 +79,9 @@ def load(path: Path | None = None) -> ClientConfig:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"not logged in ({path} does not exist): {_LOGIN_HINT}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): fix it, or log in again to rewrite it") \
+            from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read it: {exc}") from None
     known = {"server", "user", "fingerprint", "pin", "site", "accel", "cache_limit"}
@@ -118,6 +121,8 @@ def read_token(path: Path | None = None) -> str:
         raise ConfigError(f"not logged in (no token in {path}): {_LOGIN_HINT}") from None
     except OSError as exc:
         raise ConfigError(f"cannot read the token {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} does not hold an ISR token (not UTF-8 text): log in again") from None
     if not token.startswith("isr_") or any(c.isspace() for c in token):
         raise ConfigError(f"{path} does not hold an ISR token: log in again")
     return token

@@ -48,6 +48,8 @@ def _read_secret_file(path: str, what: str) -> str:
         text = sys.stdin.readline() if path == "-" else Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise AdminError(f"cannot read the {what} file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise AdminError(f"the {what} file {path} is not UTF-8 text (byte {e.start})") from None
     value = text.rstrip("\r\n")
     if not value:
         raise AdminError(f"the {what} file {path} is empty")

@@ -206,6 +206,8 @@ def read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {e.start})") from None
     flat: dict[str, Any] = {}
     for section, table in doc.items():
         if not isinstance(table, dict):

@@ -268,3 +268,13 @@ def test_errors_are_one_line(server_env: ServerEnv, tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 1 and result.stderr.strip() == \
         f"isr-server: server.workers ({bad_config}): expected an integer, got 'two'"
+    bad_config.write_bytes(b"[server]\nworkers = 2 # caf\xe9\n")
+    result = subprocess.run([str(Path(os.sys.executable).parent / "isr-server"), "-c", str(bad_config)],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert str(bad_config) in result.stderr and "UTF-8" in result.stderr, result.stderr
+    password = tmp_path / "password"
+    password.write_bytes(b"s\xe9cret\n")
+    result = env.admin("user", "add", "latin1", "--password-file", str(password), check=False)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert str(password) in result.stderr and "UTF-8" in result.stderr, result.stderr
