@@ -93,6 +93,10 @@ class VMConfig:
     memory_file: Path | None = None
     #: A ``-vnc`` display argument (e.g. ``unix:/run/isr/vnc.sock`` or ``127.0.0.1:5``); adds a VGA card.
     vnc: str | None = None
+    #: Make a guest reset end QEMU (``-action reboot=shutdown``; `VM.shutdown_reason` then says
+    #: ``guest-reset``) instead of restarting the machine in place: for a VM resumed without its boot files,
+    #: which a reset inside QEMU could not boot again.
+    reset_exits: bool = False
     extra_args: tuple[str, ...] = ()
     qemu_binary: str = "qemu-system-x86_64"
 
@@ -143,6 +147,8 @@ class VMConfig:
                  "-serial", "chardev:serial0"]
         if self.vnc is not None:
             args += ["-device", "VGA", "-vnc", self.vnc]
+        if self.reset_exits:
+            args += ["-action", "reboot=shutdown"]
         if incoming:
             args += ["-incoming", "defer"]
         return args + list(self.extra_args)
@@ -212,6 +218,14 @@ class _QMPConnection:
         except (QMPError, EOFError, OSError) as exc:
             raise VMError(f"passing a file descriptor to QEMU failed: {exc!r}") from exc
 
+    def shutdown_reason(self) -> str | None:
+        """The reason of the last ``SHUTDOWN`` event QEMU sent (``guest-shutdown``, ``guest-reset``, ``host-qmp-quit``,
+        ...), or None if it sent none."""
+        for event in reversed(self._client.events.history):
+            if event.get("event") == "SHUTDOWN":
+                return str(event.get("data", {}).get("reason", "")) or None
+        return None
+
     def close(self) -> None:
         try:
             self._call(self._client.disconnect(), timeout=5)
@@ -245,6 +259,9 @@ class VM:
         self._incoming = False
         #: QEMU's exit code once it has been reaped (negative: killed by that signal).
         self.exitcode: int | None = None
+        #: Why QEMU shut down, from its last ``SHUTDOWN`` event (``guest-shutdown``: the guest powered off;
+        #: ``guest-reset``: it rebooted, with `VMConfig.reset_exits`); None if it sent none (killed, crashed).
+        self.shutdown_reason: str | None = None
 
     # --- context manager ---------------------------------------------------------------------------
 
@@ -316,6 +333,7 @@ class VM:
         self._args = self.config.command_line(qmp_socket=qmp_path, serial_socket=serial_path, incoming=incoming)
         self._incoming = incoming
         self.exitcode = None
+        self.shutdown_reason = None
         log.info("launching %s: %s", self.name, shlex.join(self._args))
         try:
             # Appended, so that relaunching under the same name keeps the earlier run's output too.
@@ -681,6 +699,7 @@ class VM:
 
     def _cleanup(self) -> None:
         if self._qmp is not None:
+            self.shutdown_reason = self._qmp.shutdown_reason()
             self._qmp.close()
             self._qmp = None
         if self._serial is not None:

@@ -60,7 +60,7 @@ from . import policy as policymod
 from .checkin import checkin as do_checkin
 from .checkin import compare as compare_changes
 from .checkout import Client, boot_blobs, ensure_checkout
-from .errors import IsrError, LockBroken, LockRefused, SessionError, StateError
+from .errors import IsrError, LockBroken, LockRefused, SessionError, StateError, VMError
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState, write_file
 from .progress import JsonReporter, Reporter, TerminalReporter
 from .qemu import VM, VMConfig, kvm_works
@@ -163,13 +163,18 @@ class ConsoleRelay:
         os.chmod(path, 0o600)
         self.listener.listen(2)
         self.closed = False
-        threading.Thread(target=self._from_guest, name="console-out", daemon=True).start()
+        threading.Thread(target=self._from_guest, args=(serial,), name="console-out", daemon=True).start()
         threading.Thread(target=self._accept, name="console-accept", daemon=True).start()
 
-    def _from_guest(self) -> None:
+    def attach(self, serial: socket.socket) -> None:
+        """Relay a new QEMU's serial console (the guest was started again): the client stays connected."""
+        self.serial = serial
+        threading.Thread(target=self._from_guest, args=(serial,), name="console-out", daemon=True).start()
+
+    def _from_guest(self, serial: socket.socket) -> None:
         while True:
             try:
-                data = self.serial.recv(65536)
+                data = serial.recv(65536)
             except OSError:
                 data = b""
             if not data:
@@ -336,6 +341,10 @@ class Session:
         self.base_version = 0
         self.trace_path: Path | None = None
         self.vnc_text = "none"
+        self._vnc: str | None = None
+        #: QEMU runs without the parcel's boot files (a resume): a guest reset ends it, and the session
+        #: starts the guest again with them (`_boot_after_reset`).
+        self._without_boot_files = False
         self.host: compat.HostQemu | None = None
         # SimpleQueue.put is reentrant: a signal handler may call it.
         self.requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
@@ -436,9 +445,12 @@ class Session:
         self.host = compat.check(manifest, suspended=suspended)
         devstate = self._devstate(manifest, change) if suspended else None
         t = self._phase("device state", t)
-        boot = boot_blobs(self.state, manifest, self.keys, remote=None if self.client is None else self.client.remote,
-                          reporter=self.reporter)
-        t = self._phase("boot files", t)
+        # A suspended guest's kernel is in its memory image: the boot files are needed only to boot cold (and
+        # for the KVM probe boot). They are fetched if the guest reboots later, or if the state will not load.
+        boot: dict[str, bytes] | None = None
+        if devstate is None or self.options.accel == "kvm":
+            boot = self._boot_blobs(manifest)
+            t = self._phase("boot files", t)
 
         # From here on vulpes may change the keyrings: a crash must read as "damaged", not as the old state.
         self.state.save_local_change(LocalChange(state=RUNNING, base_suspended=manifest.suspended))
@@ -575,28 +587,34 @@ class Session:
         if int(hoard.get("chunks_failed", 0)):
             raise SessionError(f"{hoard['chunks_failed']} chunks could not be hoarded (see {self.vulpes.log_path})")
 
-    def _vm_config(self, manifest: Manifest, boot: dict[str, bytes]) -> VMConfig:
+    def _boot_blobs(self, manifest: Manifest) -> dict[str, bytes]:
+        return boot_blobs(self.state, manifest, self.keys, remote=None if self.client is None else self.client.remote,
+                          reporter=self.reporter)
+
+    def _vm_config(self, manifest: Manifest, boot: dict[str, bytes] | None) -> VMConfig:
+        """QEMU's configuration; ``boot`` None: without the boot files (only to load a saved state)."""
         assert self.vulpes is not None
         vm = manifest.vm
         kernel = initrd = None
         cmdline = None
-        if vm.boot is not None:
+        if vm.boot is not None and boot is not None:
             fd, kernel = _memfd("kernel", boot[vm.boot.kernel])
             self._memfds.append(fd)
             if vm.boot.initrd:
                 fd, initrd = _memfd("initrd", boot[vm.boot.initrd])
                 self._memfds.append(fd)
             cmdline = vm.boot.cmdline
-        vnc = None
-        if vm.devices.get("display", "vnc") == "vnc":
+        self._without_boot_files = vm.boot is not None and boot is None
+        if self._vnc is None and vm.devices.get("display", "vnc") == "vnc":
             choice = self.options.vnc
             if choice == "auto":
-                vnc = _free_vnc_display()
+                self._vnc = _free_vnc_display()
             elif choice == "unix":
-                vnc = f"unix:{self.runtime / VNC_SOCKET}"
+                self._vnc = f"unix:{self.runtime / VNC_SOCKET}"
             else:
-                vnc = choice
-            self.vnc_text = vnc
+                self._vnc = choice
+            self.vnc_text = self._vnc
+        vnc = self._vnc
         accel = self.options.accel
         if accel == "kvm":
             if kernel is None or not kvm_works(kernel, initrd, marker=b"Run /init as init process",
@@ -605,21 +623,56 @@ class Session:
                 accel = "tcg"
         return VMConfig(disk=self.vulpes.disk, disk_cache="writeback", kernel=kernel, initrd=initrd, cmdline=cmdline,
                         machine=vm.machine, cpu=vm.cpu, memory_mib=vm.ram_mib, smp=vm.smp, accel=accel,
-                        memory_file=self.vulpes.memory, vnc=vnc)
+                        memory_file=self.vulpes.memory, vnc=vnc, reset_exits=self._without_boot_files)
 
-    def _start_vm(self, manifest: Manifest, boot: dict[str, bytes], devstate: bytes | None) -> None:
-        config = self._vm_config(manifest, boot)
+    def _launch(self, manifest: Manifest, boot: dict[str, bytes] | None, *, incoming: bool) -> None:
+        """Start a QEMU for the VM (paused), and relay its console (to the clients already attached, if any)."""
         qemu_dir = self.state.dir / "qemu"
-        self.vm = VM(config, run_dir=qemu_dir, name="vm")
-        if devstate is None:
-            self.vm.launch(paused=True)
-            self.console = ConsoleRelay(self.vm.serial, self.runtime / CONSOLE_SOCKET, qemu_dir / "console.log")
-            self.vm.cont()
-        else:
+        self.vm = VM(self._vm_config(manifest, boot), run_dir=qemu_dir, name="vm")
+        if incoming:
             self.vm.launch_incoming()
+        else:
+            self.vm.launch(paused=True)
+        if self.console is None:
             self.console = ConsoleRelay(self.vm.serial, self.runtime / CONSOLE_SOCKET, qemu_dir / "console.log")
+        else:
+            self.console.attach(self.vm.serial)
+
+    def _start_vm(self, manifest: Manifest, boot: dict[str, bytes] | None, devstate: bytes | None) -> None:
+        self._launch(manifest, boot, incoming=devstate is not None)
+        assert self.vm is not None
+        if devstate is None:
+            self.vm.cont()
+            return
+        try:
             stats = self.vm.load_state_bytes(devstate, start=True)
-            log.info("device state loaded in %.2f s", stats.seconds)
+        except VMError as exc:
+            if boot is not None or manifest.vm.boot is None:
+                raise
+            # Not seen with QEMU 7.2 (a state saved with -kernel loads into a QEMU started without it), but
+            # another QEMU might want the boot files' option ROM: the resume then costs them, and still works.
+            log.warning("the device state did not load without the boot files (%s); trying again with them", exc)
+            self.reporter.say("  the saved state needs the boot files here: fetching them")
+            self.vm.kill()
+            self._launch(manifest, self._boot_blobs(manifest), incoming=True)
+            stats = self.vm.load_state_bytes(devstate, start=True)
+        log.info("device state loaded in %.2f s", stats.seconds)
+
+    def _boot_after_reset(self) -> None:
+        """The guest rebooted in a QEMU that had no boot files (it ended QEMU): boot it cold with them, on the
+        same disk, as the reset would have. Without them (the server unreachable, none here) the session ends
+        as if the guest had powered off, without a checkin."""
+        assert self.manifest is not None
+        self.reporter.say("the guest rebooted: starting it again with its boot files")
+        try:
+            boot = self._boot_blobs(self.manifest)
+        except IsrError as exc:
+            self.reporter.say(f"cannot boot {self.options.name} again here ({exc}): it stays powered off")
+            self._end(POWEROFF, False, self.reporter, quit_vm=False)
+            return
+        self._launch(self.manifest, boot, incoming=False)
+        assert self.vm is not None
+        self.vm.cont()
 
     def _abort_start(self) -> None:
         """Undo a failed start: stop QEMU and vulpes; restore the local state record if the guest never ran."""
@@ -729,7 +782,9 @@ class Session:
                     self._crashed(f"vulpes exited (code {self.vulpes.proc.returncode if self.vulpes.proc else '?'})")
                 elif not self.vm.is_running():
                     code = self.vm.wait(5)
-                    if code == 0:
+                    if code == 0 and self._without_boot_files and self.vm.shutdown_reason == "guest-reset":
+                        self._boot_after_reset()
+                    elif code == 0:
                         self.reporter.say("the guest powered itself off")
                         self._end(POWEROFF, self.options.checkin_on_poweroff and not self.options.disconnected,
                                   self.reporter, quit_vm=False)

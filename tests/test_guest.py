@@ -201,6 +201,32 @@ def test_suspend_resume_through_memory_leaves_no_state_file(guest_artifacts: Gue
             pass
 
 
+def test_state_loads_without_the_boot_files_and_a_reset_then_ends_qemu(guest_artifacts: GuestArtifacts,
+                                                                       guest_disk: Path, tmp_path: Path) -> None:
+    """What lets `isr resume` skip the boot files: the state of a guest booted with -kernel/-initrd loads into a
+    QEMU started without them and the guest runs on; there a reset cannot boot again, so with ``reset_exits``
+    it ends QEMU and says why (the session then boots the guest with its boot files)."""
+    ram = tmp_path / "ram.img"
+    with booted_guest(guest_artifacts, guest_disk, run_dir=tmp_path, name="with-kernel", memory_file=ram) as guest:
+        token = guest.console.set_token()
+        state, _ = guest.vm.save_state_bytes()
+        guest.vm.shutdown()
+    with resumed_guest(guest_artifacts, guest_disk, state, run_dir=tmp_path, name="without", memory_file=ram,
+                       kernel=None, initrd=None, cmdline=None, reset_exits=True) as resumed:
+        assert "-kernel" not in resumed.vm.args and "reboot=shutdown" in resumed.vm.args
+        assert resumed.console.token() == token
+        before = resumed.console.counter()
+        wait_until(_counter_passes(resumed.console, before), 10, "the counter to keep counting without a kernel")
+        resumed.console.request_reboot()
+        assert resumed.vm.wait(60) == 0
+        assert resumed.vm.shutdown_reason == "guest-reset"
+    # A guest that powers off says so too.
+    with booted_guest(guest_artifacts, guest_disk, run_dir=tmp_path, name="off") as guest:
+        guest.console.request_poweroff()
+        assert guest.vm.wait(60) == 0
+        assert guest.vm.shutdown_reason == "guest-shutdown"
+
+
 def test_poweroff_request_is_sent_again_when_the_agent_garbles_it() -> None:
     """Under load the serial line has lost the start of a request line; the agent then names the rest as an
     unknown request, and nothing ran, so the console sends it again (for run() and for poweroff alike)."""

@@ -68,9 +68,22 @@ def test_guest_continues_at_the_other_site(policy: str, isr_env: IsrEnv, nets: l
         elif policy == "baseline":
             assert "hoarding everything (baseline)" in out
 
+        blobs = b.state_dir(parcel) / "blobs"
+        if policy not in ("proactive", "eager-ws"):
+            # B is a fresh site and the guest's kernel is in its memory image: no boot file crossed the link.
+            assert "fetched boot file" not in out and "boot files" not in out, out
+            assert not blobs.exists() or not any(blobs.iterdir()), list(blobs.iterdir())
+
         # t5: the guest carries on exactly where it stopped.
         with b.console(parcel) as console:
             check_continues(console, marks)
+            if policy == "demand":
+                # A reboot of a guest resumed without its boot files: the session boots it again with them.
+                console.request_reboot()
+                console.wait_ready(120)
+                assert any(len(p.name) == 64 for p in blobs.iterdir()), "the boot files were not fetched"
+                assert "the guest rebooted: starting it again with its boot files" in b.logs()
+                assert console.check(f"md5sum {marks.file}").split()[0] == marks.digest
             more = make_changes(console, "site-b", megabytes=1)
             console.request_poweroff()
         b.wait_session_end(parcel)
