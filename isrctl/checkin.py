@@ -30,8 +30,8 @@ from parcels.store import KEYRING_FILES, MANIFEST
 
 from . import paths, workingset
 from .checkout import Client, lock_broken_message
-from .errors import CheckinError, LockBroken, StateError
-from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState
+from .errors import CheckinError, LockBroken, LockNotReleased, StateError
+from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, Checkout, LocalChange, ParcelState
 from .progress import NullReporter, Reporter
 from .remote import ChunksMissing, LockLost, Remote, RemoteError, VersionConflict
 from .vulpes import cache_object_path
@@ -174,9 +174,7 @@ def checkin(client: Client, state: ParcelState, parcel_keys: ParcelKeys, *, keep
     if change is None:
         reporter.say(f"no changes since version {checkout.version}")
         if not keep_lock:
-            client.release(parcel, lock)
-            checkout.lock = None
-            state.save_checkout(checkout)
+            release(client, state, checkout)
             reporter.say(f"lock of {checkout.name} released")
         return checkout.version
 
@@ -225,16 +223,32 @@ def checkin(client: Client, state: ParcelState, parcel_keys: ParcelKeys, *, keep
     state.accept_local_as_base(manifest_sealed=sealed[MANIFEST], streams=changes.streams,
                                devstate_sealed=devstate_sealed)
     checkout.version = new_version
-    if not keep_lock:
-        try:
-            client.release(parcel, lock)
-        except RemoteError as exc:
-            log.warning("committed version %d but could not release the lock: %s", new_version, exc)
-        checkout.lock = None
-    state.save_checkout(checkout)
+    if keep_lock:
+        state.save_checkout(checkout)
+    else:
+        release(client, state, checkout, committed=new_version)
     reporter.say(f"committed version {new_version} of {checkout.name} in {time.monotonic() - started:.1f} s"
                  f"{'' if keep_lock else '; lock released'}")
     return new_version
+
+
+def release(client: Client, state: ParcelState, checkout: Checkout, *, committed: int | None = None) -> None:
+    """Release the lock ``checkout`` records and forget it locally (saving ``checkout`` either way).
+
+    If the server does not release it (unreachable, failing), the record is kept, since the server still
+    holds the lock for this site and only its nonce can release it without ``--force``: raises
+    LockNotReleased, which says what was committed (``committed``) and how to release the lock later.
+    """
+    assert checkout.lock is not None
+    try:
+        client.release(checkout.parcel, checkout.lock)
+    except RemoteError as exc:
+        state.save_checkout(checkout)
+        done = f"committed version {committed} of {checkout.name}, but " if committed is not None else ""
+        raise LockNotReleased(f"{done}the lock could not be released ({exc}): this site still holds the lock; "
+                              f"`isr checkin {checkout.name}` releases it when the server answers") from None
+    checkout.lock = None
+    state.save_checkout(checkout)
 
 
 def state_uuid(state: ParcelState) -> uuid.UUID:

@@ -100,3 +100,8 @@ class SessionError(IsrError):
 
 class CheckinError(IsrError):
     """A new version could not be uploaded or committed (the local changes are kept)."""
+
+
+class LockNotReleased(IsrError):
+    """Releasing the lock failed (after a successful commit, perhaps): the server still holds it for this
+    site, which keeps its lock record so that a later `isr checkin` can release it."""
