@@ -130,7 +130,8 @@ class Client:
             raise LockRefused(f"parcel {parcel['name']} is in use: locked by {describe_holder(holder)}. Suspend "
                               f"it there, or break the lock with `isr lock --force {parcel['name']}`", holder) \
                 from None
-        lock = LockInfo(nonce=reply["nonce"], acquired=time.time(), host=self.host, site=self.config.site)
+        lock = LockInfo(nonce=reply["nonce"], acquired=time.time(), host=self.host, site=self.config.site,
+                        server_acquired=reply["lock"].get("acquired"))
         return lock, int(reply["lock"].get("version") or 0)
 
     def renew(self, parcel: str, lock: LockInfo, name: str = "") -> int:
@@ -257,6 +258,20 @@ def link_file(source: Path, target: Path) -> None:
         if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP):
             raise
         write_file(target, source.read_bytes())
+
+
+def lost_lock(lock: LockInfo, at_server: dict[str, Any] | None) -> str | None:
+    """Why the lock this site recorded is no longer its own, judged from the lock the server shows now
+    (``at_server``: GET …/lock's or the parcel list's ``lock``); None if the server still shows it.
+    Read-only: unlike `Client.renew` it neither renews the lease nor needs the nonce to be sent."""
+    if at_server is None:
+        return "released or broken at the server (the parcel is not locked now)"
+    same = at_server.get("host") == lock.host and at_server.get("site") == lock.site
+    if lock.server_acquired is not None:
+        same = same and at_server.get("acquired") == lock.server_acquired
+    if same:
+        return None
+    return f"released or broken at the server (it is now held by {describe_holder(at_server)})"
 
 
 def lock_broken_message(client: Client | None, parcel: str, name: str = "") -> str:

@@ -20,6 +20,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -40,7 +41,7 @@ from . import policy as policymod
 from . import schedule as schedulemod
 from . import session as sessionmod
 from . import workingset
-from .checkout import Client, describe_holder, ensure_checkout, when
+from .checkout import Client, describe_holder, ensure_checkout, lost_lock, when
 from .errors import CredentialError, IsrError, LockBroken, LockRefused, StateError
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState, local_parcels
 from .progress import LogReporter, NullReporter, Reporter, TerminalReporter, human_bytes
@@ -50,6 +51,9 @@ from .vulpes import Vulpes, cache_object_path
 log = logging.getLogger("isrctl")
 
 EXIT_ERROR, EXIT_USAGE, EXIT_LOCKED, EXIT_LOCK_BROKEN, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
+#: How long the commands that only look (ls, stat, discard's lock check) wait for the server, and after how
+#: many seconds without an answer they say that they are waiting.
+QUICK_TIMEOUT, QUICK_NOTE_AFTER = 10.0, 3.0
 
 DESCRIPTION = """\
 Internet Suspend/Resume: your whole PC is a virtual machine (a "parcel") kept encrypted on an ISR server.
@@ -147,6 +151,58 @@ def _confirm(question: str, args: argparse.Namespace) -> None:
         raise StateError("not confirmed; nothing done")
 
 
+@contextlib.contextmanager
+def _quick_client() -> Iterator[Client]:
+    """A connection for commands that only look: requests give up after QUICK_TIMEOUT seconds, and after
+    QUICK_NOTE_AFTER seconds without an answer a line on stderr says what isr is waiting for."""
+    with Client(timeout=QUICK_TIMEOUT) as client:
+        timer = threading.Timer(QUICK_NOTE_AFTER, lambda: print(
+            f"isr: waiting for the server {client.config.server} (no answer for {QUICK_NOTE_AFTER:g} s; giving up "
+            f"after {QUICK_TIMEOUT:g} s)", file=sys.stderr, flush=True))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield client
+        finally:
+            timer.cancel()
+
+
+def _lost_locks(states: list[ParcelState], server: str, parcels: list[dict[str, Any]]) -> dict[str, str]:
+    """The parcels (by id) whose lock this site records but the server (``server``, whose parcel list is
+    ``parcels``) no longer shows as this site's, each with why (`checkout.lost_lock`)."""
+    listed = {p["id"]: p for p in parcels}
+    lost: dict[str, str] = {}
+    for state in states:
+        checkout = state.checkout()
+        if checkout is None or checkout.lock is None or checkout.server != server:
+            continue
+        if state.parcel not in listed:
+            lost[state.parcel] = "lost: the server does not list this parcel any more"
+        elif (why := lost_lock(checkout.lock, listed[state.parcel].get("lock"))) is not None:
+            lost[state.parcel] = why
+    return lost
+
+
+def _ask_lost_locks(states: list[ParcelState]) -> tuple[dict[str, str], str]:
+    """`_lost_locks` for commands that work without the server: asks it only if a lock is recorded, and
+    returns what was lost and, if the server could not be asked, why not ("" if it was)."""
+    if not any((c := s.checkout()) is not None and c.lock is not None for s in states):
+        return {}, ""
+    try:
+        with _quick_client() as client:
+            return _lost_locks(states, client.config.server, client.remote.parcels()), ""
+    except IsrError as exc:
+        return {}, str(exc)
+
+
+def _stale_lock_note(name: str, why: str, change: LocalChange | None) -> str:
+    """What a site whose lock record is stale can do about it."""
+    if change is None:
+        return f"{name}: this site's lock was {why}; `isr checkout {name}` or `isr resume {name}` takes it again"
+    return (f"{name}: this site's lock was {why}; the changes made here cannot be committed: `isr discard {name}` "
+            f"drops them, then `isr checkout {name}`")
+
+
 def _describe_change(change: LocalChange | None, version: int) -> str:
     if change is None:
         return f"same as version {version}"
@@ -213,9 +269,11 @@ def cmd_logout(args: argparse.Namespace) -> int:
 # --- ls, stat --------------------------------------------------------------------------------------------
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with Client() as client:
+    with _quick_client() as client:
         parcels = client.remote.parcels()
+        server = client.config.server
     local = {s.parcel: s for s in local_parcels()}
+    lost = _lost_locks(list(local.values()), server, parcels)
     if args.json:
         out = []
         for p in parcels:
@@ -225,7 +283,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 checkout = state.checkout()
                 change = state.effective_local_change()
                 entry["local"] = {"version": checkout.version if checkout else None,
-                                  "lock_held": bool(checkout and checkout.lock),
+                                  "lock_held": bool(checkout and checkout.lock) and p["id"] not in lost,
+                                  "lock_lost": p["id"] in lost,
                                   "state": change.state if change else "clean",
                                   "running": state.session_info() is not None}
             out.append(entry)
@@ -235,6 +294,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print("no parcels (an administrator creates them with isr-admin parcel create)")
         return 0
     rows = [["NAME", "VERSION", "LOCK", "HERE"]]
+    notes = []
     for p in parcels:
         lock = p.get("lock")
         lock_text = describe_holder(lock) if lock else "-"
@@ -244,7 +304,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
             checkout = state.checkout()
             change = state.effective_local_change()
             here = f"v{checkout.version}" if checkout else "?"
-            if checkout and checkout.lock:
+            if p["id"] in lost:
+                here += ", lock lost"
+                notes.append(_stale_lock_note(p["name"], lost[p["id"]], change))
+            elif checkout and checkout.lock:
                 here += ", lock held"
             if state.session_info() is not None:
                 here += ", running"
@@ -252,10 +315,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 here += f", {change.state}"
         rows.append([p["name"], str(p.get("current_version", 0)), lock_text, here])
     _print_table(rows)
+    for note in notes:
+        print(note)
     if args.long:
         for p in parcels:
             print(f"\n{p['name']}  {p['id']}  created {when(p.get('created'))}")
-            with Client() as client:
+            with _quick_client() as client:
                 versions = client.remote.versions(p["id"])["versions"]
             for v in versions:
                 print(f"  v{v['version']:<4} {when(v.get('created'))}  by {v.get('user', '?')} from "
@@ -332,6 +397,15 @@ def parcel_stat(state: ParcelState) -> dict[str, Any]:
 def cmd_stat(args: argparse.Namespace) -> int:
     states = [_local_state(args.parcel)] if args.parcel else local_parcels()
     results = [parcel_stat(s) for s in states]
+    lost, unasked = _ask_lost_locks(states)
+    for state, info in zip(states, results):
+        if info.get("lock") is None:
+            continue
+        if unasked:
+            info["lock_unconfirmed"] = unasked
+        elif state.parcel in lost:
+            info["stale_lock"] = {**info["lock"], "why": lost[state.parcel]}
+            info["lock"] = None
     count, size = _cache_usage()
     if args.json:
         print(json.dumps({"parcels": results, "cache": {"dir": str(paths.chunk_cache_dir()), "objects": count,
@@ -347,11 +421,20 @@ def cmd_stat(args: argparse.Namespace) -> int:
             continue
         print(f"parcel    {info['name']} ({info['parcel']})")
         print(f"server    {info['server']}")
-        lock = info["lock"]
-        print(f"version   {info['version']}" + (f"; lock held since {when(lock['acquired'])} (site {lock['site']})"
-                                                if lock else "; lock not held"))
+        lock, stale = info["lock"], info.get("stale_lock")
+        if stale:
+            lock_text = f"; lock lost: {stale['why']}"
+        elif lock:
+            lock_text = f"; lock held since {when(lock['acquired'])} (site {lock['site']})"
+            if info.get("lock_unconfirmed"):
+                lock_text += ", not confirmed: the server was not reachable"
+        else:
+            lock_text = "; lock not held"
+        print(f"version   {info['version']}{lock_text}")
         change = LocalChange.from_json(info["local"]) if info["local"] else None
         print(f"local     {_describe_change(change, info['version'])}")
+        if stale:
+            print(f"note      {_stale_lock_note(info['name'], stale['why'], change)}")
         images = info.get("images", {})
         if "changed_chunks" in images.get("disk", {}):
             print(f"dirty     {images['disk']['changed_chunks']} disk and {images['memory']['changed_chunks']} memory "
@@ -516,8 +599,18 @@ def cmd_discard(args: argparse.Namespace) -> int:
         if change.state != DAMAGED:
             _confirm(f"Drop the changes to {checkout.name} made here since version {checkout.version}?", args)
         state.restore_base()
-        print(f"{checkout.name} is back at version {checkout.version}"
-              + ("; this site still holds the lock" if checkout.lock else ""))
+        held = ""
+        if checkout.lock is not None:
+            lost, unasked = _ask_lost_locks([state])
+            if state.parcel in lost:
+                # Nothing here depends on the lost lock any more: forget it, as the next resume would.
+                checkout.lock = None
+                state.save_checkout(checkout)
+                held = f"; this site no longer holds the lock, which was {lost[state.parcel]}"
+            else:
+                held = "; this site still holds the lock" + (" (not confirmed: the server was not reachable)"
+                                                             if unasked else "")
+        print(f"{checkout.name} is back at version {checkout.version}{held}")
     return 0
 
 

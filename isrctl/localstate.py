@@ -67,6 +67,9 @@ class LockInfo:
     acquired: float
     host: str
     site: str
+    #: the server's ``acquired`` time of this lock (None in records written before it was kept): a lock
+    #: the server shows with another acquisition time was broken and taken again, if by this same site
+    server_acquired: float | None = None
 
 
 @dataclass

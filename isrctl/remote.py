@@ -147,6 +147,7 @@ class Remote:
             verify = context
         self.url = url.rstrip("/")
         self.token = token
+        self.timeout = timeout
         self.client = httpx.Client(base_url=self.url, verify=verify, http2=http2, timeout=timeout,
                                    follow_redirects=True)
 
@@ -183,6 +184,9 @@ class Remote:
                     raise CertificateMismatch(f"{self.url}: {getattr(cause, 'verify_message', None) or cause}") from None
                 cause = cause.__cause__ or cause.__context__
             raise RemoteUnreachable(f"cannot connect to {self.url}: {e}") from None
+        except httpx.TimeoutException:
+            raise RemoteUnreachable(f"{method} {self.url}{path}: the server did not answer within {self.timeout:g} s "
+                                    f"(it is overloaded, stopped, or the network drops packets)") from None
         except httpx.TransportError as e:
             raise RemoteUnreachable(f"{method} {self.url}{path}: {type(e).__name__}: {e}") from None
         if response.status_code < 300 or response.status_code == 304:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,3 +92,63 @@ def test_failed_release_at_checkin_keeps_the_lock_record(isr_env: IsrEnv, tmp_pa
         assert json.loads((a.state_dir(parcel) / "checkout.json").read_text())["lock"] is None
         b.isr("checkout", parcel.name, "--keyfile", str(parcel.keyfile))
         b.isr("clean", parcel.name)
+
+
+def test_stat_ls_discard_notice_a_lock_lost_at_the_server(isr_env: IsrEnv, tmp_path: Path) -> None:
+    """The lock this site recorded was broken by an administrator (and later taken by another site):
+    `isr stat`, `isr ls` and `isr discard` ask the server and say that this site no longer holds it."""
+    parcel = isr_env.make_parcel()
+    with sites(isr_env, tmp_path, ["A", "B"]) as (a, b):
+        a.isr("checkout", parcel.name, "--keyfile", str(parcel.keyfile))
+        a.isr("poweroff", parcel.name, "--no-checkin")  # a local change, so that discard has work
+        assert "lock held" in a.isr("ls").stdout
+        isr_env.server.admin("lock", "break", f"alice/{parcel.name}", "--reason", "left at the lab")
+
+        for holder_words in (["not locked"], ["site B"]):
+            text = a.isr("stat", parcel.name).stdout
+            assert "lock held since" not in text, text
+            assert "lock lost" in text and all(w in text for w in holder_words), text
+            info = a.stat(parcel)
+            assert info["lock"] is None and info["stale_lock"]["site"] == "A", info
+            row = next(line for line in a.isr("ls").stdout.splitlines() if line.startswith(parcel.name))
+            assert "lock held" not in row and "lock lost" in row, row
+            entry = next(p for p in json.loads(a.isr("ls", "--json").stdout) if p["id"] == parcel.id)
+            assert entry["local"]["lock_held"] is False and entry["local"]["lock_lost"] is True
+            if holder_words == ["not locked"]:  # then site B takes the lock: A's record is still stale
+                b.isr("checkout", parcel.name, "--keyfile", str(parcel.keyfile))
+
+        result = a.isr("discard", parcel.name, "--yes")
+        assert "still holds the lock" not in result.stdout
+        assert "lock" in result.stdout and "site B" in result.stdout, result.stdout
+        b.isr("clean", parcel.name)
+
+
+def test_ls_and_stat_against_a_frozen_server_are_bounded_and_say_so(isr_env: IsrEnv, tmp_path: Path) -> None:
+    """A server that accepts connections but never answers (stopped with SIGSTOP, or hung): `isr ls` says
+    within seconds that it is waiting, and gives up with one line well before a minute; `isr stat`, which
+    needs no server, still answers and says the lock could not be confirmed."""
+    parcel = isr_env.make_parcel()
+    with sites(isr_env, tmp_path, ["A"]) as (a,), socket.socket() as frozen:
+        a.isr("checkout", parcel.name, "--keyfile", str(parcel.keyfile))
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen(16)  # the kernel completes the handshakes; nobody ever reads
+        config = a.root / "config" / "isr" / "config.toml"
+        good = config.read_text()
+        server = good.split('server = "', 1)[1].split('"', 1)[0]
+        frozen_url = f"https://127.0.0.1:{frozen.getsockname()[1]}"
+        config.write_text(good.replace(server, frozen_url))
+        checkout = a.state_dir(parcel) / "checkout.json"
+        checkout.write_text(checkout.read_text().replace(server, frozen_url))
+        started = time.monotonic()
+        result = a.isr("ls", check=False, timeout=50)
+        took = time.monotonic() - started
+        assert result.returncode == 1, (result.stdout, result.stderr)
+        lines = result.stderr.splitlines()
+        assert "waiting for the server" in lines[0] and frozen_url in lines[0], lines
+        assert len(lines) == 2 and "did not answer within" in lines[1] and "Traceback" not in result.stderr, lines
+        assert took < 30, took
+        text = a.isr("stat", parcel.name, timeout=50).stdout
+        assert "lock held since" in text and "not confirmed" in text, text
+        config.write_text(good)
+        checkout.write_text(checkout.read_text().replace(frozen_url, server))
+        a.isr("clean", parcel.name)
