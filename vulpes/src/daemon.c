@@ -251,6 +251,19 @@ static void json_string(FILE *f, const char *s) {
 
 #define U(x) ((unsigned long long) (x))
 
+/* A latency histogram's buckets as JSON objects, {"le": bound in µs (null: open), "count": n}. */
+static void latency_json(FILE *f, atomic_uint_fast64_t *buckets) {
+        for (size_t b = 0; b < STATS_LATENCY_BUCKETS; b++) {
+                uint64_t bound = stats_latency_bound(b);
+
+                if (bound == UINT64_MAX)
+                        fprintf(f, "%s{\"le\":null,\"count\":%llu}", b ? "," : "", U(stats_get(&buckets[b])));
+                else
+                        fprintf(f, "%s{\"le\":%llu,\"count\":%llu}", b ? "," : "", U(bound),
+                                U(stats_get(&buckets[b])));
+        }
+}
+
 int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
         Stats *s = &d->stats;
         char *text = NULL;
@@ -283,15 +296,9 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
         fprintf(f, "},\"fetch\":{\"fetches\":%llu,\"bytes\":%llu,\"retries\":%llu,\"bad\":%llu,\"latency_us\":[",
                 U(stats_get(&s->fetches)), U(stats_get(&s->fetch_bytes)), U(stats_get(&s->fetch_retries)),
                 U(stats_get(&s->fetch_bad)));
-        for (size_t b = 0; b < STATS_LATENCY_BUCKETS; b++) {
-                uint64_t bound = stats_latency_bound(b);
-
-                if (bound == UINT64_MAX)
-                        fprintf(f, "%s{\"le\":null,\"count\":%llu}", b ? "," : "", U(stats_get(&s->latency[b])));
-                else
-                        fprintf(f, "%s{\"le\":%llu,\"count\":%llu}", b ? "," : "", U(bound),
-                                U(stats_get(&s->latency[b])));
-        }
+        latency_json(f, s->latency);
+        fputs("],\"demand_latency_us\":[", f);
+        latency_json(f, s->demand_latency);
         fputs("]", f);
         if (d->fetcher) {
                 FetchStatus fs;
@@ -299,9 +306,11 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
                 fetch_status(d->fetcher, &fs);
                 fprintf(f,
                         ",\"server\":true,\"offline\":%s,\"waiting\":%s,\"waiting_seconds\":%llu,\"queued_demand\":%u,"
-                        "\"queued_hoard\":%u,\"active\":%u,\"uploads_queued\":%u,\"last_error\":",
+                        "\"queued_hoard\":%u,\"active\":%u,\"active_hoard\":%u,\"hoard_limit\":%u,"
+                        "\"rtt_min_us\":%llu,\"rate\":%llu,\"uploads_queued\":%u,\"last_error\":",
                         fs.offline ? "true" : "false", fs.waiting ? "true" : "false", U(fs.waiting_seconds),
-                        fs.queued[FETCH_DEMAND], fs.queued[FETCH_HOARD], fs.active, fs.uploads);
+                        fs.queued[FETCH_DEMAND], fs.queued[FETCH_HOARD], fs.active, fs.active_hoard, fs.hoard_limit,
+                        U(fs.rtt_min_us), U(fs.rate), fs.uploads);
                 json_string(f, fs.last_error);
         } else {
                 fputs(",\"server\":false,\"offline\":true,\"waiting\":false", f);

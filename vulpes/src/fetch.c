@@ -4,8 +4,9 @@
  *
  * One thread drives one curl multi handle, so connections (and their TLS sessions) are reused and, over
  * HTTP/2, every transfer is a stream on one connection.  Requests wait in one queue per priority; the
- * thread starts demand requests first, then uploads, and hoard requests only while fewer than
- * hoard_transfers are running, so a guest read never queues behind a hoard.  A GET for a tag that is
+ * thread starts demand requests first, then uploads, and hoard requests only while fewer are running than
+ * pace.c allows: about one bandwidth-delay product of them, so that a guest read, which is never held
+ * back, also never waits behind more hoard bytes already on the link than that.  A GET for a tag that is
  * already queued or in flight gets the existing request's result (one transfer, many waiters).
  *
  * Failures are sorted into transient (cannot connect, timeout, reset, 5xx, 429, 408, 401 after re-reading
@@ -36,6 +37,7 @@
 #include "file.h"
 #include "hex.h"
 #include "log.h"
+#include "pace.h"
 
 enum {
         BAD_BYTES_LIMIT = 3,               /* attempts that returned wrong bytes before giving up */
@@ -110,6 +112,7 @@ struct Fetcher {
         pthread_mutex_t lock;
         List queues[_QUEUE_MAX];
         unsigned active_hoard, active_upload;
+        Pace pace;                         /* how many hoard transfers may run (on the fetch thread) */
         bool offline;
         bool stopping;
         bool outage_logged;
@@ -367,7 +370,7 @@ static void request_complete(Fetcher *f, Request *r, int result) {
         if (r->kind == REQUEST_GET && result == 0) {
                 stats_add(&f->stats->fetches, 1);
                 stats_add(&f->stats->fetch_bytes, r->body_len);
-                stats_add_latency(f->stats, now_us() - r->created_us);
+                stats_add_latency(f->stats, now_us() - r->created_us, r->priority == FETCH_DEMAND);
         } else if (r->kind == REQUEST_PUT && result == 0) {
                 stats_add(&f->stats->uploads, 1);
                 stats_add(&f->stats->upload_bytes, r->body_len);
@@ -528,6 +531,7 @@ bad_bytes:
 static uint64_t start_ready_locked(Fetcher *f) {
         uint64_t now = now_us(), next = 1000000;
         static const int order[] = { QUEUE_DEMAND, QUEUE_UPLOAD, QUEUE_HOARD };
+        unsigned hoard_limit = pace_background_limit(&f->pace, now);
 
         if (f->offline)
                 return next;
@@ -539,7 +543,7 @@ static uint64_t start_ready_locked(Fetcher *f) {
 
                         if (f->queues[QUEUE_ACTIVE].n >= f->config.max_transfers)
                                 return next;
-                        if (order[q] == QUEUE_HOARD && f->active_hoard >= f->config.hoard_transfers)
+                        if (order[q] == QUEUE_HOARD && f->active_hoard >= hoard_limit)
                                 break;
                         if (order[q] == QUEUE_UPLOAD && f->active_upload >= f->config.hoard_transfers)
                                 break;
@@ -582,6 +586,13 @@ static void finished_transfers(Fetcher *f) {
                 curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **) &r);
                 pthread_mutex_lock(&f->lock);
                 done = transfer_finish(f, r, code, &result);
+                if (done == 1 && result == 0 && r->kind == REQUEST_GET) {
+                        curl_off_t ttfb = 0;
+
+                        curl_easy_getinfo(r->easy, CURLINFO_STARTTRANSFER_TIME_T, &ttfb);
+                        pace_delivered(&f->pace, r->body_len);
+                        pace_completed(&f->pace, now_us(), ttfb > 0 ? (uint64_t) ttfb : 0, r->body_len);
+                }
                 transfer_cleanup(f, r);
                 if (r->kind == REQUEST_PUT)
                         f->active_upload--;
@@ -667,6 +678,7 @@ int fetch_new(const FetchConfig *config, Stats *stats, Fetcher **ret) {
                 f->config.max_transfers = 16;
         if (!f->config.hoard_transfers || f->config.hoard_transfers > f->config.max_transfers)
                 f->config.hoard_transfers = f->config.max_transfers > 4 ? f->config.max_transfers - 4 : 1;
+        pace_init(&f->pace, f->config.hoard_transfers);
         if (!f->config.backoff_max_ms)
                 f->config.backoff_max_ms = 5000;
         f->server_url = strdup(config->server_url ? config->server_url : "");
@@ -920,6 +932,10 @@ void fetch_status(Fetcher *f, FetchStatus *ret) {
                                 oldest = r->waiting_since_us;
         ret->waiting = oldest != 0 || (f->offline && (f->queues[QUEUE_DEMAND].n || f->queues[QUEUE_HOARD].n));
         ret->waiting_seconds = oldest ? (now - oldest) / 1000000u : 0;
+        ret->active_hoard = f->active_hoard;
+        ret->hoard_limit = pace_background_limit(&f->pace, now);
+        ret->rtt_min_us = pace_rtt_min_us(&f->pace);
+        ret->rate = pace_rate(&f->pace, now);
         snprintf(ret->last_error, sizeof(ret->last_error), "%s", f->last_error);
         pthread_mutex_unlock(&f->lock);
 }

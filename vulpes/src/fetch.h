@@ -44,6 +44,10 @@ typedef struct FetchStatus {
         unsigned active;
         unsigned uploads;              /* queued or active */
         uint64_t waiting_seconds;      /* how long the oldest waiting request has been retrying */
+        unsigned active_hoard;         /* hoard transfers running */
+        unsigned hoard_limit;          /* how many may run now (pace.c) */
+        uint64_t rtt_min_us;           /* lowest time to first byte lately (0: not measured) */
+        uint64_t rate;                 /* highest delivery rate of the last second, bytes/s */
         char last_error[200];
 } FetchStatus;
 

@@ -224,11 +224,27 @@ static int hoard_one(Hoard *h, Image *img, uint64_t idx) {
         return r;
 }
 
+/* The order images are hoarded in: memory first, because a resumed guest touches its RAM before anything
+ * else, and every RAM chunk still missing then is a round trip it waits for. */
+static size_t hoard_image_at(const Hoard *h, size_t k) {
+        size_t memory = h->n_images;
+
+        for (size_t i = 0; i < h->n_images; i++)
+                if (strcmp(image_name(h->images[i]), "memory") == 0)
+                        memory = i;
+        if (memory == h->n_images)
+                return k;
+        if (k == 0)
+                return memory;
+        return k <= memory ? k - 1 : k;
+}
+
 static void *hoard_thread(void *userdata) {
         Hoard *h = userdata;
         int r = 0;
 
-        for (size_t i = 0; i < h->n_images && r >= 0; i++) {
+        for (size_t k = 0; k < h->n_images && r >= 0; k++) {
+                size_t i = hoard_image_at(h, k);
                 Target *t = &h->targets[i];
                 Image *img = h->images[i];
 

@@ -30,10 +30,12 @@ uint64_t stats_latency_bound(size_t bucket) {
         return bucket < STATS_LATENCY_BUCKETS - 1 ? latency_bounds[bucket] : UINT64_MAX;
 }
 
-void stats_add_latency(Stats *s, uint64_t usec) {
+void stats_add_latency(Stats *s, uint64_t usec, bool demand) {
         size_t i = 0;
 
         while (i < STATS_LATENCY_BUCKETS - 1 && usec > latency_bounds[i])
                 i++;
         stats_add(&s->latency[i], 1);
+        if (demand)
+                stats_add(&s->demand_latency[i], 1);
 }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -27,6 +28,7 @@ typedef struct Stats {
         atomic_uint_fast64_t misses;                             /* accesses not satisfied from RAM */
         atomic_uint_fast64_t fetches, fetch_bytes, fetch_retries, fetch_bad;
         atomic_uint_fast64_t latency[STATS_LATENCY_BUCKETS];     /* server fetch latency */
+        atomic_uint_fast64_t demand_latency[STATS_LATENCY_BUCKETS];   /* of those, the demand requests */
         atomic_uint_fast64_t quarantined;                        /* cache entries that failed verification */
         atomic_uint_fast64_t lookaside_bad;                      /* lookaside objects that failed verification */
         atomic_uint_fast64_t flushes, chunks_flushed;
@@ -39,7 +41,8 @@ const char *stats_tier_name(StatsTier tier);
 /* The upper bound of a latency bucket in microseconds (UINT64_MAX for the last). */
 uint64_t stats_latency_bound(size_t bucket);
 
-void stats_add_latency(Stats *s, uint64_t usec);
+/* A fetch took usec from request to verified object; `demand`: a guest waited for it. */
+void stats_add_latency(Stats *s, uint64_t usec, bool demand);
 
 static inline void stats_add(atomic_uint_fast64_t *counter, uint64_t n) {
         atomic_fetch_add_explicit(counter, n, memory_order_relaxed);

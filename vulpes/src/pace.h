@@ -1,0 +1,60 @@
+/* SPDX-License-Identifier: GPL-2.0-or-later */
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+/*
+ * How many background transfers (hoard GETs) may be in flight: enough to keep the link full, and no more
+ * than about one bandwidth-delay product plus a small queueing allowance, so that a demand request (a
+ * guest waiting) never queues behind more background bytes than that.
+ *
+ * The window is rate_max * (rtt_min + PACE_TARGET_US) bytes, where rate_max is the highest delivery rate
+ * seen over the last second (all GET bytes, demand and hoard: they share the link) and rtt_min the lowest
+ * time to first byte over the last minute; divided by the mean object size, at least PACE_MIN_TRANSFERS.
+ * When the link is not yet full, the rate grows with the window and the window with the rate (by
+ * (rtt_min + target) / rtt_min a round trip); once it is full the queue stays near PACE_TARGET_US.  Queued
+ * bytes the window lets through are bytes a demand request waits behind, so a slow link runs at the
+ * minimum: a demand miss then waits about one round trip and two object transmission times.
+ *
+ * Pure arithmetic on times the caller passes in (µs, monotonic): no locking, no clock, no I/O.
+ */
+
+enum {
+        PACE_MIN_TRANSFERS = 2,          /* keeps a slow link busy between two objects */
+        PACE_TARGET_US = 25000,          /* queueing delay allowed beyond the round trip */
+        PACE_RATE_SAMPLES = 64,
+        PACE_DELIVERY_MARKS = 64,
+};
+
+typedef struct PaceMark {
+        uint64_t at_us;
+        uint64_t delivered;             /* bytes delivered up to then */
+} PaceMark;
+
+typedef struct Pace {
+        unsigned max_transfers;         /* never more than this */
+        uint64_t delivered;             /* GET body bytes received, ever */
+        PaceMark marks[PACE_DELIVERY_MARKS];   /* (time, delivered) at recent completions, a ring */
+        unsigned n_marks, next_mark;
+        PaceMark rates[PACE_RATE_SAMPLES];     /* (time, bytes/s) rate samples, a ring */
+        unsigned n_rates, next_rate;
+        uint64_t rtt_min_us[2];         /* lowest time to first byte in this and the previous 30 s period */
+        uint64_t rtt_period_start_us;
+        double object_bytes;            /* mean object size (moving average) */
+} Pace;
+
+void pace_init(Pace *p, unsigned max_transfers);
+
+/* Body bytes of any GET arrived. */
+void pace_delivered(Pace *p, size_t bytes);
+
+/* A GET finished: its time to first byte (0: unknown) and its object size. */
+void pace_completed(Pace *p, uint64_t now_us, uint64_t ttfb_us, size_t object_bytes);
+
+/* How many background transfers may run now. */
+unsigned pace_background_limit(const Pace *p, uint64_t now_us);
+
+/* The current estimates, for the status report (0 where nothing has been measured yet). */
+uint64_t pace_rtt_min_us(const Pace *p);
+uint64_t pace_rate(const Pace *p, uint64_t now_us);
