@@ -20,6 +20,7 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -139,6 +140,18 @@ def _unlock_local(state: ParcelState, args: argparse.Namespace, name: str,
             raise StateError(f"no key envelope of {name} at this site: check it out while connected")
         return client.unlock(state.parcel, credential, state)
     return keymod.unlock(envelope, uuid.UUID(state.parcel), credential)
+
+
+def _check_writable(directory: Path, what: str, variable: str) -> None:
+    """Fail early, with the path, if ``directory`` (made if missing) cannot be written: a session that finds
+    out later has already taken the lock and fetched the version."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise StateError(f"{what} {directory} cannot be written ({exc.strerror or exc}): make it writable, or set "
+                         f"{variable} to a place that is") from None
 
 
 def _confirm(question: str, args: argparse.Namespace) -> None:
@@ -480,12 +493,20 @@ def cmd_checkout(args: argparse.Namespace) -> int:
                                  f"({_describe_change(change, state.require_checkout().version)}): resume, check in "
                                  f"or discard them")
             parcel_keys = client.unlock(parcel["id"], _credential(args, parcel["name"]), state)
+            first = state.checkout() is None
             checkout, current = ensure_checkout(client, state, parcel)
             if checkout.version != current or not state.keyring_path("disk").exists():
                 from . import compat
 
-                client.download_version(state, current, parcel_keys, check=lambda m: compat.check(m),
-                                        reporter=reporter)
+                try:
+                    client.download_version(state, current, parcel_keys, check=lambda m: compat.check(m),
+                                            reporter=reporter)
+                except BaseException:
+                    if first:  # leave nothing behind: no lock, no "version 0" state for the next command
+                        with contextlib.suppress(IsrError):
+                            checkinmod.release(client, state, checkout)
+                        state.forget_unfinished_checkout()
+                    raise
                 checkout.version = current
                 state.save_checkout(checkout)
             reporter.say(f"checked out {parcel['name']} version {checkout.version}; this site holds the lock")
@@ -495,6 +516,8 @@ def cmd_checkout(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     reporter = _reporter(args)
     policymod.get(args.policy)
+    _check_writable(paths.chunk_cache_dir(), "the chunk cache", "XDG_CACHE_HOME")
+    _check_writable(paths.parcels_dir(), "the parcel state directory", "XDG_DATA_HOME")
     if args.disconnected:
         state = _local_state(args.parcel)
         checkout = state.require_checkout()
@@ -511,17 +534,26 @@ def cmd_resume(args: argparse.Namespace) -> int:
                                  f"`isr suspend {name}` first")
             parcel_keys = client.unlock(parcel["id"], _credential(args, name), state)
     cfg = configmod.load()
+    first = state.checkout() is None
     options = sessionmod.SessionOptions(
         parcel=state.parcel, name=name, policy=args.policy, writeback=args.writeback,
         writeback_rate=policymod.parse_rate(args.writeback_rate), disconnected=args.disconnected,
         vnc=args.vnc, accel=args.accel or cfg.accel, lookaside=[str(Path(p).absolute()) for p in args.lookaside],
         checkin_on_poweroff=not args.no_checkin)
-    if args.detach:
-        info = sessionmod.spawn_detached(options, parcel_keys, reporter)
-        print(f"session pid {info['pid']}; `isr suspend {name}` suspends it")
-        print(f"  control  {info['control']}")
-        return 0
-    return sessionmod.run_foreground(options, parcel_keys, reporter)
+    try:
+        if args.detach:
+            info = sessionmod.spawn_detached(options, parcel_keys, reporter)
+            print(f"session pid {info['pid']}; `isr suspend {name}` suspends it")
+            print(f"  control  {info['control']}")
+            return 0
+        code = sessionmod.run_foreground(options, parcel_keys, reporter)
+    except BaseException:
+        if first:  # a first resume that failed before its version was here leaves no "version 0" state
+            state.forget_unfinished_checkout()
+        raise
+    if code != 0 and first:
+        state.forget_unfinished_checkout()
+    return code
 
 
 def cmd_suspend(args: argparse.Namespace) -> int:

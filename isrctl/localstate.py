@@ -387,6 +387,22 @@ class ParcelState:
         """Delete the whole state directory (`isr clean`)."""
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def forget_unfinished_checkout(self) -> bool:
+        """Delete the state directory if all it holds is a first checkout that never finished: a
+        ``checkout.json`` at version 0 (no version was ever fetched completely) without a lock, no local
+        change and no session. The next command then finds no local state rather than an incomplete one.
+        Returns whether it deleted it."""
+        try:
+            checkout = self.checkout()
+            change = self.local_change()
+        except StateError:
+            return False
+        if checkout is None or checkout.version != 0 or checkout.lock is not None or change is not None \
+                or self.busy():
+            return False
+        self.remove()
+        return True
+
 
 def local_parcels() -> list[ParcelState]:
     """Every parcel that has local state at this site."""

@@ -8,6 +8,7 @@ import contextlib
 import json
 import socket
 import sqlite3
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,3 +153,44 @@ def test_ls_and_stat_against_a_frozen_server_are_bounded_and_say_so(isr_env: Isr
         config.write_text(good)
         checkout.write_text(checkout.read_text().replace(frozen_url, server))
         a.isr("clean", parcel.name)
+
+
+@contextlib.contextmanager
+def read_only(directory: Path) -> Iterator[None]:
+    """``directory`` on a read-only bind mount of itself (even root cannot write there: EROFS)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(directory), str(directory)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(directory)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
+def test_resume_with_a_read_only_cache_names_the_path(isr_env: IsrEnv, tmp_path: Path) -> None:
+    parcel = isr_env.make_parcel()
+    with sites(isr_env, tmp_path, ["A"]) as (a,):
+        cache = a.root / "cache" / "isr"
+        with read_only(cache):
+            result = a.resume(parcel, check=False)
+            one_line_error(result, str(cache), "Read-only file system", "XDG_CACHE_HOME")
+            assert "OSError(" not in result.stderr and "Errno" not in result.stderr
+            assert not (a.state_dir(parcel) / "checkout.json").exists()  # refused before taking the lock
+        assert "not locked" in a.isr("lock", parcel.name).stdout
+
+
+def test_a_failed_first_checkout_or_resume_leaves_no_half_state(isr_env: IsrEnv, tmp_path: Path) -> None:
+    """The version is refused after the lock was taken (this PC has too little RAM for it): the command
+    fails in one place, and leaves neither the lock nor a "version 0, incomplete" local state that the next
+    command would trip over."""
+    parcel = isr_env.make_parcel(ram_mib=4 << 20)
+    with sites(isr_env, tmp_path, ["A"]) as (a,):
+        for args in (("checkout", parcel.name, "--keyfile", str(parcel.keyfile)),
+                     ("resume", parcel.name, "--detach", "--vnc", "none", "--keyfile", str(parcel.keyfile))):
+            result = a.isr(*args, check=False)
+            assert result.returncode == 1 and "cannot run parcel" in result.stderr, (args, result.stderr)
+            assert not a.state_dir(parcel).exists(), (args, list(a.state_dir(parcel).iterdir()))
+            assert "not locked" in a.isr("lock", parcel.name).stdout, args
+            assert "no parcel has local state" in a.isr("stat").stdout
+            row = next(line for line in a.isr("ls").stdout.splitlines() if line.startswith(parcel.name))
+            assert row.split()[-1] == "-", row
