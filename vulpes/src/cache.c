@@ -436,12 +436,13 @@ int cache_pin(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n) {
         return r;
 }
 
-int cache_unpin(Cache *c, const uint8_t tag[CACHE_TAG_LEN]) {
+int cache_unpin(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n) {
         int r;
 
+        if (n == 0)
+                return 0;
         pthread_mutex_lock(&c->lock);
-        r = pins_update_locked(c, false, "DELETE FROM pins WHERE tag = ?1 AND owner = ?2",
-                               (const uint8_t (*)[CACHE_TAG_LEN]) tag, 1);
+        r = pins_update_locked(c, false, "DELETE FROM pins WHERE tag = ?1 AND owner = ?2", tags, n);
         pthread_mutex_unlock(&c->lock);
         return r;
 }

@@ -97,5 +97,5 @@ int64_t cache_size_parse(const char *text);
  */
 int cache_set_owner(Cache *c, const char *owner);
 int cache_pin(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n);
-int cache_unpin(Cache *c, const uint8_t tag[CACHE_TAG_LEN]);
+int cache_unpin(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n);
 int cache_pins_replace(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n);

@@ -452,14 +452,14 @@ static void *readahead_thread(void *userdata) {
         return NULL;
 }
 
-static void account(Image *img, uint64_t idx, TraceOp op, StatsTier tier) {
+static void account(Image *img, uint64_t idx, TraceOp op, StatsTier tier, uint64_t offset, size_t length) {
         Stats *s = img->src.stats;
 
         stats_add(&s->hits[tier], 1);
         if (tier != STATS_TIER_RAM)
                 stats_add(&s->misses, 1);
         stats_add(op == TRACE_READ ? &s->chunks_read : &s->chunks_written, 1);
-        trace_record(img->src.trace, img->name, idx, op, tier);
+        trace_record(img->src.trace, img->name, idx, op, tier, offset, length);
 }
 
 size_t image_read_pieces_max(const Image *img, size_t len) {
@@ -493,7 +493,7 @@ ssize_t image_read_pin(Image *img, size_t len, uint64_t offset, struct iovec *io
                         /* A chunk without record is zeros: no need to hold it in RAM for a read. */
                         pthread_mutex_unlock(&img->lock);
                         iov[n++] = (struct iovec) { .iov_base = img->zeros, .iov_len = piece };
-                        account(img, idx, TRACE_READ, STATS_TIER_ZERO);
+                        account(img, idx, TRACE_READ, STATS_TIER_ZERO, pos, piece);
                         done += piece;
                         continue;
                 }
@@ -510,7 +510,7 @@ ssize_t image_read_pin(Image *img, size_t len, uint64_t offset, struct iovec *io
                         lru_append(img, (int64_t) idx);
                 pthread_mutex_unlock(&img->lock);
                 iov[n++] = (struct iovec) { .iov_base = c->data + in_chunk, .iov_len = piece };
-                account(img, idx, TRACE_READ, tier);
+                account(img, idx, TRACE_READ, tier, pos, piece);
                 done += piece;
         }
         stats_add(&img->src.stats->bytes_read, done);
@@ -609,7 +609,7 @@ ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset) {
                                 flusher_kick_locked(img);
                 }
                 pthread_mutex_unlock(&img->lock);
-                account(img, idx, TRACE_WRITE, tier);
+                account(img, idx, TRACE_WRITE, tier, pos, piece);
                 done += piece;
         }
         stats_add(&img->src.stats->bytes_written, done);
@@ -963,17 +963,17 @@ int image_uploads_next(Image *img, uint8_t (*ret_tags)[IMAGE_TAG_LEN], size_t ma
         return r;
 }
 
-int image_upload_done(Image *img, const uint8_t tag[IMAGE_TAG_LEN]) {
+int image_uploads_done(Image *img, const uint8_t (*tags)[IMAGE_TAG_LEN], size_t n) {
         int r;
 
         pthread_mutex_lock(&img->db_lock);
-        r = keyring_upload_done(img->keyring, tag);
+        r = keyring_uploads_done(img->keyring, tags, n);
         pthread_mutex_unlock(&img->db_lock);
-        /* The server has it now (or nobody needs it): the cache may evict it.  The other image may
+        /* The server has them now (or nobody needs them): the cache may evict them.  The other image may
          * still name the same object (convergent encryption); its pin is the same row, so it is
          * restored at the next start if that upload is still pending. */
         if (r >= 0)
-                cache_unpin(img->src.cache, tag);
+                cache_unpin(img->src.cache, tags, n);
         return r;
 }
 

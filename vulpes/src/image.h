@@ -90,7 +90,7 @@ int image_chunk_tag(Image *img, uint64_t idx, uint8_t ret_tag[IMAGE_TAG_LEN]);
 
 /* Upload bookkeeping for writeback.c, see keyring_uploads_next(). */
 int image_uploads_next(Image *img, uint8_t (*ret_tags)[IMAGE_TAG_LEN], size_t max, size_t *ret_n);
-int image_upload_done(Image *img, const uint8_t tag[IMAGE_TAG_LEN]);
+int image_uploads_done(Image *img, const uint8_t (*tags)[IMAGE_TAG_LEN], size_t n);
 
 /* Every pending upload's tag (malloc()ed; NULL when there is none), for the cache's pins. */
 int image_pending_uploads(Image *img, uint8_t (**ret_tags)[IMAGE_TAG_LEN], size_t *ret_n);

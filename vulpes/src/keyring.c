@@ -959,16 +959,33 @@ int keyring_uploads_next(Keyring *k, uint8_t (*ret_tags)[KEYRING_TAG_LEN], size_
         return r;
 }
 
-int keyring_upload_done(Keyring *k, const uint8_t tag[KEYRING_TAG_LEN]) {
+int keyring_uploads_done(Keyring *k, const uint8_t (*tags)[KEYRING_TAG_LEN], size_t n) {
         sqlite3_stmt *stmt = NULL;
-        int r = 0;
+        int r;
 
-        if (sqlite3_prepare_v2(k->db, "DELETE FROM vulpes_uploads WHERE tag = ?1", -1, &stmt, NULL) != SQLITE_OK)
-                return sqlite_failure(k, "update uploads of");
-        sqlite3_bind_blob(stmt, 1, tag, KEYRING_TAG_LEN, SQLITE_STATIC);
-        if (sqlite3_step(stmt) != SQLITE_DONE)
+        if (n == 0)
+                return 0;
+        r = exec_sql(k, "BEGIN IMMEDIATE", "update uploads of");
+        if (r < 0)
+                return r;
+        if (sqlite3_prepare_v2(k->db, "DELETE FROM vulpes_uploads WHERE tag = ?1", -1, &stmt, NULL) != SQLITE_OK) {
                 r = sqlite_failure(k, "update uploads of");
+                goto out_rollback;
+        }
+        for (size_t i = 0; i < n; i++) {
+                sqlite3_bind_blob(stmt, 1, tags[i], KEYRING_TAG_LEN, SQLITE_STATIC);
+                if (sqlite3_step(stmt) != SQLITE_DONE) {
+                        r = sqlite_failure(k, "update uploads of");
+                        goto out_rollback;
+                }
+                sqlite3_reset(stmt);
+        }
         sqlite3_finalize(stmt);
+        return exec_sql(k, "COMMIT", "update uploads of");
+
+out_rollback:
+        sqlite3_finalize(stmt);
+        sqlite3_exec(k->db, "ROLLBACK", NULL, NULL, NULL);
         return r;
 }
 

@@ -131,7 +131,9 @@ int keyring_apply(Keyring *k, const KeyringChange *changes, size_t n);
  */
 int keyring_uploads_next(Keyring *k, uint8_t (*ret_tags)[KEYRING_TAG_LEN], size_t max, size_t *ret_n);
 
-int keyring_upload_done(Keyring *k, const uint8_t tag[KEYRING_TAG_LEN]);
+/* The server has these objects (or nobody needs them): forgets them in one transaction, so that a batch of
+ * uploads costs one durable commit. */
+int keyring_uploads_done(Keyring *k, const uint8_t (*tags)[KEYRING_TAG_LEN], size_t n);
 
 int keyring_state_counts(Keyring *k, uint64_t *ret_changed, uint64_t *ret_uploads);
 

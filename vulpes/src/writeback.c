@@ -7,6 +7,13 @@
  * are sent; one that is lost or damaged there is reported and dropped from the list (it exists nowhere
  * else, and the server will refuse to commit a version that names it).
  *
+ * A full-speed pass lists every pending upload at once and keeps the fetcher's upload queue full until
+ * the list is done (it used to take 64 at a time and let the pipeline run dry between them).  Confirmed
+ * uploads are not forgotten on the fetch thread one durable sqlite commit at a time: the completion
+ * callback only queues them, and the worker forgets whatever has queued up in one transaction per image
+ * (a group commit: under load the batches grow by themselves).  Forgetting late is harmless: an upload
+ * still listed after a crash is sent again and the server answers that it has it.
+ *
  * Threading: one worker thread; the public functions are safe from any thread.
  */
 #define _GNU_SOURCE
@@ -22,10 +29,12 @@
 #include "log.h"
 
 enum {
-        UPLOAD_BATCH = 64,
-        PARALLEL_FULL = 8,
+        UPLOAD_BATCH = 64,              /* trickle passes: tags listed at a time */
+        PARALLEL_FULL = 32,             /* full speed: handed to the fetcher at once (it caps what runs) */
         IDLE_POLL_MS = 1000,
 };
+
+typedef struct Upload Upload;
 
 struct Writeback {
         Image **images;
@@ -42,15 +51,17 @@ struct Writeback {
         bool uploading, stop, thread_started;
         unsigned in_flight;
         uint64_t uploaded_chunks, uploaded_bytes, failed, this_pass;
+        Upload *done;                   /* confirmed by the server, not yet forgotten in the keyring */
         pthread_t thread;
 };
 
-typedef struct Upload {
+struct Upload {
         Writeback *w;
         Image *img;
         uint8_t tag[IMAGE_TAG_LEN];
         size_t len;
-} Upload;
+        Upload *next;
+};
 
 static void timed_wait(pthread_cond_t *cond, pthread_mutex_t *lock, unsigned ms) {
         struct timespec t;
@@ -65,21 +76,61 @@ static void timed_wait(pthread_cond_t *cond, pthread_mutex_t *lock, unsigned ms)
         pthread_cond_timedwait(cond, lock, &t);
 }
 
+/* Forgets the queued confirmed uploads: one keyring transaction (and one unpin) per image.  Called
+ * without the lock, by the worker (or by writeback_free() once nothing runs any more). */
+static void done_apply(Writeback *w) {
+        uint8_t (*tags)[IMAGE_TAG_LEN] = NULL;
+        Upload *list, *u;
+        size_t max = 0;
+
+        pthread_mutex_lock(&w->lock);
+        list = w->done;
+        w->done = NULL;
+        pthread_mutex_unlock(&w->lock);
+        for (u = list; u; u = u->next)
+                max++;
+        if (max > 0)
+                tags = malloc(max * sizeof(*tags));
+        for (size_t i = 0; i < w->n_images && list; i++) {
+                size_t n = 0;
+
+                for (u = list; u; u = u->next) {
+                        if (u->img != w->images[i])
+                                continue;
+                        if (tags)
+                                memcpy(tags[n++], u->tag, IMAGE_TAG_LEN);
+                        else
+                                image_uploads_done(u->img, (const uint8_t (*)[IMAGE_TAG_LEN]) u->tag, 1);
+                }
+                if (n > 0)
+                        image_uploads_done(w->images[i], (const uint8_t (*)[IMAGE_TAG_LEN]) tags, n);
+        }
+        free(tags);
+        while (list) {
+                u = list->next;
+                free(list);
+                list = u;
+        }
+}
+
 static void on_uploaded(int result, const uint8_t *object, size_t len, void *userdata) {
         Upload *u = userdata;
         Writeback *w = u->w;
 
         (void) object;
         (void) len;
-        /* A definitive refusal (logged by fetch.c) is not retried: it would be refused again. */
-        if (result != -ECANCELED)
-                image_upload_done(u->img, u->tag);
         pthread_mutex_lock(&w->lock);
         if (result == 0) {
                 w->uploaded_chunks++;
                 w->uploaded_bytes += u->len;
         } else if (result != -ECANCELED) {
                 w->failed++;
+        }
+        /* A definitive refusal (logged by fetch.c) is not retried either: it would be refused again. */
+        if (result != -ECANCELED) {
+                u->next = w->done;
+                w->done = u;
+                u = NULL;
         }
         w->in_flight--;
         pthread_cond_broadcast(&w->cond);
@@ -103,7 +154,7 @@ static int upload_start(Writeback *w, Image *img, const uint8_t tag[IMAGE_TAG_LE
                 hex_encode(tag, IMAGE_TAG_LEN, hex);
                 log_error("failed to upload %s chunk object %s: %s in the cache, and it exists nowhere else",
                           image_name(img), hex, r == -ENOENT ? "it is missing" : "it failed verification");
-                image_upload_done(img, tag);
+                image_uploads_done(img, (const uint8_t (*)[IMAGE_TAG_LEN]) tag, 1);
                 pthread_mutex_lock(&w->lock);
                 w->failed++;
                 pthread_mutex_unlock(&w->lock);
@@ -127,6 +178,12 @@ static int upload_start(Writeback *w, Image *img, const uint8_t tag[IMAGE_TAG_LE
                 rate = full ? 0 : w->rate;
                 if (w->stop || w->in_flight < parallel)
                         break;
+                if (w->done) {
+                        pthread_mutex_unlock(&w->lock);
+                        done_apply(w);
+                        pthread_mutex_lock(&w->lock);
+                        continue;
+                }
                 pthread_cond_wait(&w->cond, &w->lock);
         }
         if (w->stop) {
@@ -148,29 +205,38 @@ static int upload_start(Writeback *w, Image *img, const uint8_t tag[IMAGE_TAG_LE
         return r;
 }
 
-/* One pass over every image's upload list; returns how many uploads it started. */
+/* One pass over every image's upload list (all of it at full speed, UPLOAD_BATCH tags when trickling);
+ * returns how many uploads it started. */
 static int64_t upload_pass(Writeback *w) {
-        uint8_t (*tags)[IMAGE_TAG_LEN];
         int64_t total = 0;
+        bool full;
         int r = 0;
 
-        tags = malloc(UPLOAD_BATCH * sizeof(*tags));
-        if (!tags)
-                return -ENOMEM;
+        done_apply(w);
+        pthread_mutex_lock(&w->lock);
+        full = w->full_waiters > 0;
+        pthread_mutex_unlock(&w->lock);
         for (size_t i = 0; i < w->n_images && r >= 0; i++) {
+                uint8_t (*tags)[IMAGE_TAG_LEN] = NULL;
                 size_t n = 0;
 
-                r = image_uploads_next(w->images[i], tags, UPLOAD_BATCH, &n);
+                if (full) {
+                        r = image_pending_uploads(w->images[i], &tags, &n);
+                } else {
+                        tags = malloc(UPLOAD_BATCH * sizeof(*tags));
+                        r = tags ? image_uploads_next(w->images[i], tags, UPLOAD_BATCH, &n) : -ENOMEM;
+                }
                 for (size_t j = 0; j < n && r >= 0; j++)
                         r = upload_start(w, w->images[i], tags[j]);
+                free(tags);
                 total += (int64_t) n;
         }
-        free(tags);
         /* Let this pass's uploads finish, so that the next pass does not list them again. */
         pthread_mutex_lock(&w->lock);
         while (w->in_flight > 0 && !w->stop)
                 pthread_cond_wait(&w->cond, &w->lock);
         pthread_mutex_unlock(&w->lock);
+        done_apply(w);
         return r < 0 ? r : total;
 }
 
@@ -248,6 +314,7 @@ Writeback *writeback_free(Writeback *w) {
         if (!w)
                 return NULL;
         writeback_halt(w);
+        done_apply(w);
         free(w->images);
         pthread_cond_destroy(&w->cond);
         pthread_mutex_destroy(&w->lock);

@@ -187,8 +187,7 @@ static void test_ram_bound_and_uploads(void **state) {
 
         assert_int_equal(image_uploads_next(img, tags, 64, &n), 0);
         assert_int_equal(n, 21);
-        for (size_t i = 0; i < 10; i++)
-                assert_int_equal(image_upload_done(img, tags[i]), 0);
+        assert_int_equal(image_uploads_done(img, tags, 10), 0);
         /* Rewriting a chunk makes its old tag pointless to upload. */
         memset(data, 0x77, sizeof(data));
         assert_int_equal(image_write(img, data, CS, 0), CS);
@@ -231,10 +230,11 @@ static void test_trace_format(void **state) {
         char line[128];
 
         (void) state;
-        trace_format(line, sizeof(line), 1700000000.123456, "memory", 42, TRACE_WRITE, STATS_TIER_LOOKASIDE);
-        assert_string_equal(line, "1700000000.123456 memory 42 w lookaside");
-        trace_format(line, sizeof(line), 1.0, "disk", 0, TRACE_READ, STATS_TIER_RAM);
-        assert_string_equal(line, "1.000000 disk 0 r ram");
+        trace_format(line, sizeof(line), 1700000000.123456, "memory", 42, TRACE_WRITE, STATS_TIER_LOOKASIDE,
+                     42 * 131072 + 4096, 8192);
+        assert_string_equal(line, "1700000000.123456 memory 42 w lookaside 5509120 8192");
+        trace_format(line, sizeof(line), 1.0, "disk", 0, TRACE_READ, STATS_TIER_RAM, 0, 131072);
+        assert_string_equal(line, "1.000000 disk 0 r ram 0 131072");
         assert_int_equal(stats_latency_bound(0), 500);
         assert_int_equal(stats_latency_bound(STATS_LATENCY_BUCKETS - 1), UINT64_MAX);
 }
