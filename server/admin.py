@@ -89,15 +89,23 @@ def _credential(passphrase_file: str | None, key_file: str | None, prompt: str, 
 class Admin:
     """The command implementations; each returns a JSON-able value and prints a human form unless --json."""
 
-    def __init__(self, config: Config, as_json: bool) -> None:
+    def __init__(self, config: Config, as_json: bool, *, may_create: bool = False) -> None:
         self.config = config
         self.as_json = as_json
+        self.may_create = may_create
         self._meta: SqlMeta | None = None
         self._store: ObjectStore | None = None
 
     @property
     def meta(self) -> SqlMeta:
         if self._meta is None:
+            path = self.config.sqlite_path
+            if self.config["metadata.backend"] == "sqlite" and not path.exists():
+                # A mistyped --data-dir or -c must not quietly start an empty server.
+                if not self.may_create:
+                    raise AdminError(f"there is no ISR database {path}: check --data-dir, -c or metadata.path "
+                                     f"(`isr-admin user add` starts a new server's database)")
+                print(f"isr-admin: starting a new, empty database {path}", file=sys.stderr)
             meta = open_meta(self.config)
             assert isinstance(meta, SqlMeta)
             self._meta = meta
@@ -446,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     admin = None
     try:
         config = load_config(args)
-        admin = Admin(config, args.json)
+        admin = Admin(config, args.json, may_create=args.func == "user_add")
         getattr(admin, args.func)(args)
     except ApiError as e:
         print(f"isr-admin: {e}", file=sys.stderr)

@@ -262,6 +262,20 @@ def test_errors_are_one_line(server_env: ServerEnv, tmp_path: Path) -> None:
         assert result.returncode == 1, args
         assert result.stderr.startswith("isr-admin: ") and result.stderr.count("\n") == 1, result.stderr
         assert "Traceback" not in result.stderr
+    if env.settings.get("metadata.backend", "sqlite") == "sqlite":
+        # A mistyped --data-dir names no database: refused in one line, nothing created there. Only
+        # `user add`, the first step on a new server, starts a database, and says so.
+        typo = tmp_path / "srv-typo"
+        for args in (("parcel", "list"), ("user", "list"), ("gc",), ("lock", "show")):
+            result = env.admin("--data-dir", str(typo), *args, check=False)
+            assert result.returncode == 1 and result.stderr.count("\n") == 1, (args, result.stderr)
+            assert str(typo / "meta.sqlite") in result.stderr and "--data-dir" in result.stderr, result.stderr
+            assert not typo.exists(), args
+        result = env.admin("--data-dir", str(typo), "user", "add", "carol", "--password-file", "-",
+                           input_text="carol-password\n")
+        assert "new, empty database" in result.stderr and str(typo / "meta.sqlite") in result.stderr
+        assert [u["user"] for u in json.loads(env.admin("--data-dir", str(typo), "--json", "user", "list").stdout)] \
+            == ["carol"]
     bad_config = tmp_path / "bad.toml"
     bad_config.write_text("[server]\nworkers = 'two'\n")
     result = subprocess.run([str(Path(os.sys.executable).parent / "isr-server"), "-c", str(bad_config)],
