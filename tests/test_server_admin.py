@@ -292,3 +292,27 @@ def test_errors_are_one_line(server_env: ServerEnv, tmp_path: Path) -> None:
     result = env.admin("user", "add", "latin1", "--password-file", str(password), check=False)
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
     assert str(password) in result.stderr and "UTF-8" in result.stderr, result.stderr
+
+
+def test_missing_s3_bucket_is_named_with_how_to_create_it(server_env: ServerEnv, tmp_path: Path) -> None:
+    """A store.bucket that does not exist (a typo, or never made): isr-server and isr-admin say which bucket
+    at which endpoint, and how to create it, in one line."""
+    if server_env.settings.get("store.backend") != "s3":
+        pytest.skip("an S3 store only")
+    missing = f"isr-missing-{uuid.uuid4().hex[:8]}"
+    endpoint = server_env.settings["store.endpoint"]
+    disk = tmp_path / "disk.raw"
+    image_with_data(disk, 1024 * 1024, seed=9, data_ranges=[(0, 5000)])
+    (tmp_path / "pass").write_text(PASSPHRASE + "\n")
+    server = subprocess.run([str(Path(os.sys.executable).parent / "isr-server"), "-c", str(server_env.config),
+                             "--set", f"store.bucket={missing}", "--listen", "127.0.0.1:0"],
+                            capture_output=True, text=True, timeout=60)
+    admin = server_env.admin("--set", f"store.bucket={missing}", "parcel", "create", "--owner", "alice", "--name",
+                             "nobucket", "--disk", str(disk), "--ram", "16", "--passphrase-file",
+                             str(tmp_path / "pass"), "--scrypt-log2n", "10", check=False)
+    for result in (server, admin):
+        error = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
+        assert result.returncode == 1, (result.returncode, result.stderr)
+        assert "Traceback" not in result.stderr, result.stderr
+        assert f"bucket {missing}" in error and endpoint in error and "create it" in error, result.stderr
+    assert "nobucket" not in server_env.admin("parcel", "list").stdout

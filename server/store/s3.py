@@ -27,6 +27,7 @@ class S3Store(ObjectStore):
 
     def __init__(self, config: Config) -> None:
         self.bucket = config["store.bucket"]
+        self.endpoint = config["store.endpoint"]
         self.prefix = config["store.prefix"]
         session = boto3.session.Session()
         options = botocore.config.Config(
@@ -56,10 +57,16 @@ class S3Store(ObjectStore):
     def _key(self, key: str) -> str:
         return self.prefix + key
 
-    def _fail(self, what: str, error: Exception) -> StorageError:
+    def _fail(self, what: str, error: Exception, *, bucket_request: bool = False) -> StorageError:
+        """The one-line StorageError for a failed request; ``bucket_request``: a 404 means the bucket is
+        missing (HEAD of the bucket has no body to say NoSuchBucket)."""
         if isinstance(error, botocore.exceptions.ClientError):
             code = error.response.get("Error", {}).get("Code", "?")
             message = error.response.get("Error", {}).get("Message", "")
+            if code == "NoSuchBucket" or (bucket_request and code in ("404", "NotFound")):
+                return StorageError(f"S3 {what} failed: there is no bucket {self.bucket} at {self.endpoint}: create "
+                                    f"it (e.g. `aws s3 mb s3://{self.bucket} --endpoint-url {self.endpoint}`) or "
+                                    f"set store.bucket to an existing one")
             return StorageError(f"S3 {what} failed: {code} {message}".rstrip())
         return StorageError(f"S3 {what} failed: {error}")
 
@@ -68,7 +75,7 @@ class S3Store(ObjectStore):
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
-            raise self._fail(f"access to bucket {self.bucket}", e) from None
+            raise self._fail(f"access to bucket {self.bucket}", e, bucket_request=True) from None
 
     def presigned_url(self, key: str, seconds: int) -> str | None:
         return self.client.generate_presigned_url(
