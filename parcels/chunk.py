@@ -148,7 +148,10 @@ def decode_chunk(data: Bytes, tag: bytes, key: bytes, length: int) -> bytes:
         raise FormatError("chunk object has nonzero reserved bytes")
     if n != length:
         raise FormatError(f"chunk object holds {n} bytes, expected {length}")
-    body = crypto.aes_gcm_decrypt(key, memoryview(data)[HEADER_SIZE:], memoryview(data)[:HEADER_SIZE])
+    try:
+        body = crypto.aes_gcm_decrypt(key, memoryview(data)[HEADER_SIZE:], memoryview(data)[:HEADER_SIZE])
+    except IntegrityError as e:
+        raise IntegrityError(f"chunk object {bytes(tag).hex()}: {e} (its keyring record holds another key)") from None
     if compression == COMPRESSION_NONE:
         if len(body) != length:
             raise FormatError(f"uncompressed chunk body is {len(body)} bytes, expected {length}")

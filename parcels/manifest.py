@@ -258,7 +258,8 @@ def open_manifest(parcel_key: bytes, blob: bytes, *, parcel: uuid.UUID, version:
     Raises FormatError for a malformed blob or manifest, IntegrityError if authentication fails or the
     manifest belongs to another parcel or version (the store substituted it).
     """
-    manifest = Manifest.from_json(seal.open_sealed(parcel_key, blob, seal.KIND_MANIFEST, MAX_MANIFEST_SIZE))
+    manifest = Manifest.from_json(seal.open_sealed(parcel_key, blob, seal.KIND_MANIFEST, MAX_MANIFEST_SIZE,
+                                                   what=f"the manifest of version {version}"))
     if manifest.parcel != parcel:
         raise IntegrityError(f"manifest is for parcel {manifest.parcel}, not {parcel}")
     if manifest.version != version:
@@ -277,7 +278,8 @@ def open_keyring(parcel_key: bytes, blob: bytes, manifest: Manifest, image: str)
     if image not in IMAGES:
         raise FormatError(f"unknown image {image!r}: expected disk or memory")
     info = manifest.images[image]
-    stream = seal.open_sealed(parcel_key, blob, seal.KIND_KEYRING, info.keyring_size)
+    stream = seal.open_sealed(parcel_key, blob, seal.KIND_KEYRING, info.keyring_size,
+                              what=f"the {image} keyring of version {manifest.version}")
     if len(stream) != info.keyring_size or sha256(stream) != info.keyring_sha256:
         raise IntegrityError(f"{image} keyring does not match the digest in the manifest")
     chunk_size, image_size, records = decode_stream(stream)
@@ -293,7 +295,8 @@ def open_blob(parcel_key: bytes, blob: bytes, manifest: Manifest, name: str) -> 
     info = manifest.blobs.get(name)
     if info is None:
         raise FormatError(f"the manifest names no blob {name!r}")
-    payload = seal.open_sealed(parcel_key, blob, info.kind, info.size)
+    payload = seal.open_sealed(parcel_key, blob, info.kind, info.size,
+                               what=f"blob {name} of version {manifest.version}")
     if len(payload) != info.size or sha256(payload) != info.sha256:
         raise IntegrityError(f"blob {name} does not match the digest in the manifest")
     return payload

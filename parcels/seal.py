@@ -9,7 +9,7 @@ import struct
 
 from parcels import compress as zstd
 from parcels import crypto
-from parcels.errors import FormatError
+from parcels.errors import FormatError, IntegrityError
 
 MAGIC = b"ISRB"
 VERSION = 1
@@ -61,8 +61,8 @@ def seal(parcel_key: Bytes, kind: int, payload: Bytes, compress: bool = True, *,
     return header + crypto.aes_gcm_encrypt(_blob_key(parcel_key, salt), body, header)
 
 
-def open_sealed(parcel_key: Bytes, blob: Bytes, kind: int, max_length: int) -> bytes:
-    """Check a sealed blob and return its payload.
+def open_sealed(parcel_key: Bytes, blob: Bytes, kind: int, max_length: int, *, what: str = "sealed blob") -> bytes:
+    """Check a sealed blob and return its payload; ``what`` names it in every error ("manifest of version 3").
 
     Guarantees: the blob was sealed under `parcel_key` as `kind`, is unaltered, and its payload is at
     most `max_length` bytes and exactly as long as its header says. Raises FormatError for a malformed
@@ -72,24 +72,27 @@ def open_sealed(parcel_key: Bytes, blob: Bytes, kind: int, max_length: int) -> b
     """
     blob = bytes(blob)
     if len(blob) < OVERHEAD:
-        raise FormatError(f"sealed blob of {len(blob)} bytes is shorter than {OVERHEAD}")
+        raise FormatError(f"{what} of {len(blob)} bytes is shorter than {OVERHEAD}")
     magic, version, blob_kind, compression, reserved, salt, length = HEADER.unpack_from(blob)
     if magic != MAGIC:
-        raise FormatError("sealed blob has a bad magic number")
+        raise FormatError(f"{what} has a bad magic number")
     if version != VERSION:
-        raise FormatError(f"sealed blob has unknown format version {version}")
+        raise FormatError(f"{what} has unknown format version {version}")
     if blob_kind != kind:
-        raise FormatError(f"sealed blob is of kind {blob_kind}, expected {kind}")
+        raise FormatError(f"{what} is of kind {blob_kind}, expected {kind}")
     if compression not in (COMPRESSION_NONE, COMPRESSION_ZSTD):
-        raise FormatError(f"sealed blob has unknown compression {compression}")
+        raise FormatError(f"{what} has unknown compression {compression}")
     if reserved != 0:
-        raise FormatError("sealed blob has a nonzero reserved byte")
+        raise FormatError(f"{what} has a nonzero reserved byte")
     if length > min(max_length, MAX_PAYLOAD):
-        raise FormatError(f"sealed blob payload of {length} bytes exceeds the limit of {max_length}")
+        raise FormatError(f"{what}: payload of {length} bytes exceeds the limit of {max_length}")
     view = memoryview(blob)
-    body = crypto.aes_gcm_decrypt(_blob_key(parcel_key, salt), view[HEADER_SIZE:], view[:HEADER_SIZE])
+    try:
+        body = crypto.aes_gcm_decrypt(_blob_key(parcel_key, salt), view[HEADER_SIZE:], view[:HEADER_SIZE])
+    except IntegrityError as e:
+        raise IntegrityError(f"{what}: {e} (altered, or sealed under another parcel key)") from None
     if compression == COMPRESSION_NONE:
         if len(body) != length:
-            raise FormatError(f"sealed blob body is {len(body)} bytes, header says {length}")
+            raise FormatError(f"{what}: body is {len(body)} bytes, header says {length}")
         return body
     return zstd.decompress(body, length)

@@ -194,3 +194,22 @@ def test_a_failed_first_checkout_or_resume_leaves_no_half_state(isr_env: IsrEnv,
             assert "no parcel has local state" in a.isr("stat").stdout
             row = next(line for line in a.isr("ls").stdout.splitlines() if line.startswith(parcel.name))
             assert row.split()[-1] == "-", row
+
+
+def test_a_blob_that_does_not_decrypt_is_named(isr_env: IsrEnv, tmp_path: Path) -> None:
+    """A byte of a version's manifest or keyring changed in the server's store: `isr checkout` refuses it in
+    one line that says which object of which version failed, not just "AES-GCM authentication failed"."""
+    parcel = isr_env.make_parcel()
+    version = isr_env.store / "parcels" / parcel.id / "versions" / "1"
+    with sites(isr_env, tmp_path, ["A"]) as (a,):
+        for name, words in (("manifest", ("manifest", "version 1")), ("keyring.disk", ("disk keyring", "version 1"))):
+            path = version / name
+            good = path.read_bytes()
+            path.write_bytes(good[:-5] + bytes([good[-5] ^ 1]) + good[-4:])
+            try:
+                result = a.isr("checkout", parcel.name, "--keyfile", str(parcel.keyfile), check=False)
+            finally:
+                path.write_bytes(good)
+            one_line_error(result, "AES-GCM", *words)
+        a.isr("checkout", parcel.name, "--keyfile", str(parcel.keyfile))
+        a.isr("clean", parcel.name)
