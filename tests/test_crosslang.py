@@ -19,7 +19,7 @@ import pytest
 from parcels import seal as pseal
 from parcels.chunk import decode_chunk, encode_chunk
 from parcels.envelope import unwrap_envelope, wrap_envelope
-from parcels.errors import ParcelError
+from parcels.errors import FormatError, IntegrityError, ParcelError
 from parcels.keyring import (Keyring, KeyringRecord, decode_stream, encode_stream, unwrap_chunk_key,
                              wrap_chunk_key)
 from parcels.manifest import (BlobInfo, ImageInfo, Manifest, Timestamps, VMConfig, open_manifest,
@@ -48,14 +48,20 @@ def run_codec(codec: Path, *args: object, env: dict[str, str] | None = None) -> 
     return dict(line.split("=", 1) for line in proc.stdout.splitlines())
 
 
-def codec_refuses(codec: Path, *args: object, env: dict[str, str] | None = None) -> str:
-    """Run vulpes-codec expecting it to reject its input: exit 1 and exactly one line on stderr."""
+def codec_refuses(codec: Path, *args: object, env: dict[str, str] | None = None, reason: str | None = None) -> str:
+    """Run vulpes-codec expecting it to reject its input: exit 1 and exactly one line on stderr. With
+    ``reason``, run it again with its debug log on (VULPES_CODEC_DEBUG) and check that the library refused
+    for that reason, not for another one that happens to give the same one-line error."""
     cmd = [str(codec), *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CODEC_TIMEOUT,
                           env={**os.environ, **(env or {})})
     assert proc.returncode == 1, f"{' '.join(cmd)} exited {proc.returncode}, expected 1: {proc.stderr}"
     assert proc.stdout == ""
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    if reason is not None:
+        debug = subprocess.run(cmd, capture_output=True, text=True, timeout=CODEC_TIMEOUT,
+                               env={**os.environ, **(env or {}), "VULPES_CODEC_DEBUG": "1"})
+        assert debug.returncode == 1 and reason in debug.stderr, (reason, debug.stderr)
     return proc.stderr
 
 
@@ -151,10 +157,22 @@ def test_blob_both_ways(codec: Path, tmp_path: Path, case: str) -> None:
 def test_blob_refusals(codec: Path, tmp_path: Path) -> None:
     pk = secrets.token_bytes(32)
     payload = text_bytes(1000)
-    (tmp_path / "blob").write_bytes(pseal.seal(pk, pseal.KIND_DEVSTATE, payload))
-    codec_refuses(codec, "open", pk.hex(), pseal.KIND_BOOT, 1000, tmp_path / "blob", tmp_path / "out")
-    codec_refuses(codec, "open", pk.hex(), pseal.KIND_DEVSTATE, 999, tmp_path / "blob", tmp_path / "out")
-    codec_refuses(codec, "open", secrets.token_hex(32), pseal.KIND_DEVSTATE, 1000, tmp_path / "blob", tmp_path / "out")
+    blob = pseal.seal(pk, pseal.KIND_DEVSTATE, payload)
+    (tmp_path / "blob").write_bytes(blob)
+    wrong_key = secrets.token_bytes(32)
+    # (key, kind, limit, why vulpes refuses, what Python raises and says): each refusal for its own reason.
+    for key, kind, limit, c_reason, py_error, py_words in (
+            (pk, pseal.KIND_BOOT, 1000, f"kind {pseal.KIND_DEVSTATE}, expected {pseal.KIND_BOOT}", FormatError,
+             f"kind {pseal.KIND_DEVSTATE}, expected {pseal.KIND_BOOT}"),
+            (pk, pseal.KIND_DEVSTATE, 999, "above the limit of 999", FormatError, "exceeds the limit of 999"),
+            (wrong_key, pseal.KIND_DEVSTATE, 1000, "GCM authentication failed", IntegrityError,
+             "AES-GCM authentication failed")):
+        message = codec_refuses(codec, "open", key.hex(), kind, limit, tmp_path / "blob", tmp_path / "out",
+                                reason=c_reason)
+        assert message.startswith("vulpes-codec: failed to open sealed blob") and str(tmp_path / "blob") in message
+        assert not (tmp_path / "out").exists()
+        with pytest.raises(py_error, match=py_words):
+            pseal.open_sealed(key, blob, kind, limit)
 
 
 # --- key envelopes ----------------------------------------------------------------------------------

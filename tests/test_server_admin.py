@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from isrctl.remote import AuthenticationFailed, ChunksMissing, LockHeld, Remote
+from isrctl.remote import AuthenticationFailed, ChunksMissing, LockHeld, LockLost, Remote
 from tests.server_fixtures import (ServerEnv, image_with_data, postgres_dsn, s3_server,  # noqa: F401
                                    server_env)
 from tests.test_server_api import make_chunk
@@ -179,7 +179,7 @@ def test_lock_show_and_break(server_env: ServerEnv, tmp_path: Path) -> None:
         assert refused.returncode == 1
         broken = env.admin_json("lock", "break", "alice/lockme", "--reason", "stolen laptop")
         assert broken["broken"]["host"] == "laptop.example"
-        with pytest.raises(Exception):
+        with pytest.raises(LockLost):
             client.renew(parcel, nonce)
         again = client.acquire(parcel, host="desktop")
         with pytest.raises(LockHeld):

@@ -8,10 +8,12 @@ import ctypes
 import hashlib
 import os
 import platform
+import subprocess
 import socket
 import ssl
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +21,8 @@ import pytest
 from isrctl.remote import (AccessDenied, AuthenticationFailed, CertificateMismatch, ChunksMissing, LockHeld,
                            LockLost, Remote, RemoteConflict, RemoteError, RemoteNotFound, RequestRejected,
                            VersionConflict)
-from tests.server_fixtures import LOCK_LEASE, ServerEnv, postgres_dsn, s3_server, server_env, wait_until  # noqa: F401
+from tests.server_fixtures import (LOCK_LEASE, ServerEnv, free_port, postgres_dsn, s3_server, server_env,  # noqa: F401
+                                   wait_until)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,29 +103,58 @@ def test_connections_send_without_nagle(server_env: ServerEnv) -> None:
             assert peer.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
 
 
+def _tls_client(version: ssl.TLSVersion) -> ssl.SSLContext:
+    """A client context that offers exactly ``version``; security level 0 lets OpenSSL 3 offer TLS 1.1 at
+    all (by default it refuses to, before a byte is sent, which would make a refusal test pass vacuously)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_ciphers("DEFAULT:@SECLEVEL=0")
+    context.minimum_version = context.maximum_version = version
+    return context
+
+
+def _handshake(context: ssl.SSLContext, host: str, port: int) -> str | None:
+    with socket.create_connection((host, port), timeout=10) as raw:
+        with context.wrap_socket(raw) as tls:
+            return tls.version()
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_tls_versions(server_env: ServerEnv) -> None:
+def test_tls_versions(server_env: ServerEnv, tmp_path: Path) -> None:
     host, port = server_env.server.url.removeprefix("https://").rsplit(":", 1)
-    for version, accepted in ((ssl.TLSVersion.TLSv1_2, True), (ssl.TLSVersion.TLSv1_3, True),
-                              (ssl.TLSVersion.TLSv1_1, False)):
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-        try:
-            context.minimum_version = version
-            context.maximum_version = version
-        except (ValueError, ssl.SSLError):
-            continue
-        with socket.create_connection((host, int(port)), timeout=10) as raw:
-            try:
-                with context.wrap_socket(raw) as tls:
-                    got = tls.version()
-            except (ssl.SSLError, OSError):
-                got = None
-        if accepted:
-            assert got is not None, f"{version.name} refused"
-        else:
-            assert got is None, f"{version.name} accepted"
+    for version, name in ((ssl.TLSVersion.TLSv1_2, "TLSv1.2"), (ssl.TLSVersion.TLSv1_3, "TLSv1.3")):
+        assert _handshake(_tls_client(version), host, int(port)) == name
+    # The same TLS 1.1 client first completes a handshake with a server that allows TLS 1.1 (openssl
+    # s_server), so the refusal below is isr-server's answer, not the client declining to try.
+    old = _tls_client(ssl.TLSVersion.TLSv1_1)
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(tmp_path / "k.pem"),
+                    "-out", str(tmp_path / "c.pem"), "-subj", "/CN=localhost", "-days", "1"],
+                   check=True, capture_output=True, timeout=60)
+    control_port = free_port()
+    control = subprocess.Popen(["openssl", "s_server", "-accept", f"127.0.0.1:{control_port}", "-cert",
+                                str(tmp_path / "c.pem"), "-key", str(tmp_path / "k.pem"), "-tls1_1", "-cipher",
+                                "DEFAULT:@SECLEVEL=0", "-naccept", "2", "-quiet"],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _port_open(control_port), timeout=30, what="openssl s_server")
+        assert _handshake(old, "127.0.0.1", control_port) == "TLSv1.1"
+    finally:
+        control.kill()
+        control.wait(timeout=10)
+    with pytest.raises(ssl.SSLError) as refused:
+        _handshake(old, host, int(port))
+    # An alert from the server (granian answers handshake_failure), not the client's NO_PROTOCOLS_AVAILABLE.
+    assert refused.value.reason in ("TLSV1_ALERT_PROTOCOL_VERSION", "SSLV3_ALERT_HANDSHAKE_FAILURE",
+                                    "UNSUPPORTED_PROTOCOL"), refused.value
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def test_pinned_fingerprint_is_checked(server_env: ServerEnv) -> None:
@@ -130,9 +162,10 @@ def test_pinned_fingerprint_is_checked(server_env: ServerEnv) -> None:
     with Remote(server_env.server.url, fingerprint=wrong) as client:
         with pytest.raises(CertificateMismatch):
             client.login("alice", "alice-password")
-    with pytest.raises(Exception):
+    with pytest.raises(CertificateMismatch, match="self-signed certificate") as refused:
         with Remote(server_env.server.url) as client:  # system CAs do not trust the self-signed certificate
             client.health()
+    assert refused.value.status == 0  # refused in the handshake: no request was sent
 
 
 def test_login_is_throttled_after_failures(server_env: ServerEnv) -> None:

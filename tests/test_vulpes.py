@@ -550,16 +550,15 @@ def test_demand_overtakes_hoard(vulpes_binary: Path, tmp_path: Path) -> None:
             order = list(range(64))
             last = order.pop()                       # hoard 0..62 first, the last chunk at the end
             assert v.control({"op": "hoard", "disk": order + [last]})["ok"]
-            time.sleep(0.2)
-            start = time.monotonic()
+            wait_until(lambda: server.order, 30, "the hoard's first request")
             with open(v.path("disk"), "rb", buffering=0) as f:
                 f.seek(last * CHUNK_SIZE)
                 assert f.read(4096) == content[last * CHUNK_SIZE:last * CHUNK_SIZE + 4096]
-            elapsed = time.monotonic() - start
-            hoard = v.status()["hoard"]
-            # In hoard order it would come after ~60 chunks at 4 at a time x 0.3 s: about 4.5 s.
-            assert elapsed < 1.5, elapsed
-            assert hoard["state"] == "running" and hoard["chunks_done"] < 40, hoard
+            # In hoard order its GET would be the 64th; the read's goes ahead of the hoard's queue. (How long
+            # the read waits is measured by bench/vulpes_overtake.py, not asserted on a shared machine.)
+            position = server.order.index(state.tag_of("disk", last).hex())
+            assert position < 32, (position, len(server.order))
+            assert v.status()["hoard"]["chunks_done"] < 63
             v.control({"op": "hoard-stop"})
     finally:
         server.stop()

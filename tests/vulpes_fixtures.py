@@ -187,6 +187,7 @@ class FaultServer:
         self.status: int | None = None
         self.delay = 0.0
         self.requests: dict[str, int] = {}
+        self.order: list[str] = []                 # the tags of the chunk GETs, in the order they came
         self.puts: list[str] = []
         self.auth_failures = 0
         self._httpd: http.server.ThreadingHTTPServer | None = None
@@ -244,6 +245,7 @@ class FaultServer:
                     return
                 with server._lock:
                     server.requests[tag] = server.requests.get(tag, 0) + 1
+                    server.order.append(tag)
                     damage = server.corrupt != 0
                 if server.redirect:
                     self.send_response(307)
