@@ -215,7 +215,10 @@ def test_written_traces_read_back_identically(tmp_path: Path) -> None:
     ("# vulpes-trace 1 chunk_size=4096\n1.0 disk 7 x server\n", 2, "op 'x' is neither r nor w"),
     ("# vulpes-trace 1 chunk_size=4096\n1.0 disk 7 r\n", 2, "expected 5 space-separated fields"),
     ("# vulpes-trace 1 chunk_size=4096\n1.0 disk 7 r elsewhere\n", 2, "source 'elsewhere'"),
-    ("# vulpes-trace 2 chunk_size=4096\n", 1, "unsupported vulpes trace header"),
+    ("# vulpes-trace 3 chunk_size=4096\n", 1, "unsupported vulpes trace header"),
+    ("# vulpes-trace 2 chunk_size=4096\n1.0 disk 7 r ram\n", 2, "expected 7 space-separated fields"),
+    ("# vulpes-trace 2 chunk_size=4096\n1.0 disk 7 r ram 4096 4096\n", 2, "not inside chunk 7"),
+    ("# vulpes-trace 2 chunk_size=4096\n1.0 disk 1 r ram 4096 0\n", 2, "not inside chunk 1"),
 ])
 def test_malformed_lines_raise_an_error_naming_the_line(tmp_path: Path, text: str, line: int, words: str) -> None:
     path = write_text(tmp_path / "bad.csv", text)
@@ -249,6 +252,20 @@ def test_vulpes_traces_give_chunk_offsets_relative_times_and_several_runs(tmp_pa
     assert trace.accesses == [Access(0.0, 262144, 131072, "R", "disk", "server"),
                               Access(0.25, 0, 131072, "W", "memory", "new"),
                               Access(1.0, 262144, 131072, "R", "disk", "cache")]
+
+
+def test_vulpes_traces_of_version_2_give_the_bytes_touched(tmp_path: Path) -> None:
+    path = write_text(tmp_path / "v2.trace",
+                      "# vulpes-trace 2 chunk_size=131072\n"
+                      "1700000000.000000 memory 3 r server 397312 4096\n"
+                      "1700000000.500000 disk 0 w new 0 131072\n")
+    trace = read_trace(path)
+    assert trace.format == "vulpes" and trace.granularity == 1
+    assert trace.accesses == [Access(0.0, 397312, 4096, "R", "memory", "server"),
+                              Access(0.5, 0, 131072, "W", "disk", "new")]
+    # With a version-1 run in the same file, sizes below its chunk size are beyond what it knows.
+    path.write_text(path.read_text() + "# vulpes-trace 1 chunk_size=65536\n1700000001.0 disk 1 r cache\n")
+    assert read_trace(path).granularity == 65536
 
 
 def test_several_images_state_sizes_and_data_per_image(tmp_path: Path) -> None:

@@ -580,18 +580,21 @@ def test_trace_records_every_access(vulpes_binary: Path, isr_server: IsrServer, 
             f.read(10)
         assert v.control({"op": "trace-stop"})["records"] >= 4
     lines = trace.read_text().splitlines()
-    assert lines[0] == f"# vulpes-trace 1 chunk_size={CHUNK_SIZE}"
+    assert lines[0] == f"# vulpes-trace 2 chunk_size={CHUNK_SIZE}"
     records = [line.split() for line in lines[1:]]
-    assert all(len(r) == 5 and float(r[0]) > 1e9 for r in records)
-    seen = {(r[1], int(r[2]), r[3], r[4]) for r in records}
-    assert ("disk", 3, "r", "server") in seen
-    assert ("disk", 4, "w", "server") in seen and ("disk", 5, "w", "server") in seen
-    assert ("memory", 0, "r", "zero") in seen
+    assert all(len(r) == 7 and float(r[0]) > 1e9 for r in records)
+    seen = {(r[1], int(r[2]), r[3], r[4], int(r[5]), int(r[6])) for r in records}
+    # The kernel reads whole pages, and with vulpes's kernel readahead of 0 only the page read.
+    assert ("disk", 3, "r", "server", 3 * CHUNK_SIZE, 4096) in seen
+    # The write straddles two chunks: one record each, with the bytes it touched in that chunk.
+    assert ("disk", 4, "w", "server", 5 * CHUNK_SIZE - 5, 5) in seen
+    assert ("disk", 5, "w", "server", 5 * CHUNK_SIZE, 5) in seen
+    assert ("memory", 0, "r", "zero", 0, 4096) in seen
     # chunksim reads vulpes traces as they are.
     from tools.chunksim.trace import read_trace
 
     parsed = read_trace(trace)
-    assert parsed.format == "vulpes" and parsed.granularity == CHUNK_SIZE
+    assert parsed.format == "vulpes" and parsed.granularity == 1
     assert len(parsed.accesses) == len(records)
 
 

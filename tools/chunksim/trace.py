@@ -19,13 +19,15 @@ an image column every access is to the image ``disk``. Byte granularity: any off
 
 **vulpes trace** (``vulpes/src/trace.c``: what the FUSE daemon writes with tracing on)::
 
-    # vulpes-trace 1 chunk_size=131072
-    1795324586.844788 disk 17 r cache
+    # vulpes-trace 2 chunk_size=131072
+    1795324586.844788 disk 17 r cache 2228224 4096
 
-one line per chunk access: wall-clock time, image name, chunk index, ``r``/``w``, and where the access was
-satisfied (ram, cache, lookaside, server, zero, new). A file may hold several runs, each starting with its
-header line. Such a trace only knows which chunk was touched, so its *granularity* is the chunk size: a
-simulation with smaller chunks than that cannot say more than the trace knows (see `Trace.granularity`).
+one line per chunk access: wall-clock time, image name, chunk index, ``r``/``w``, where the access was
+satisfied (ram, cache, lookaside, server, zero, new), and the bytes of the image it touched in that chunk
+(offset, length): byte granularity. Version 1 (vulpes before 2026-11) had no offset and length; such a run
+only knows which chunk was touched, so its *granularity* is the chunk size: a simulation with smaller
+chunks than that cannot say more than the trace knows (see `Trace.granularity`). A file may hold several
+runs, each starting with its header line.
 
 A file whose name ends in ``.zst`` or that starts with zstd's magic number is decompressed on the fly.
 """
@@ -278,6 +280,7 @@ def _parse_csv(path: Path, lines: list[tuple[int, str]]) -> Trace:
 def _parse_vulpes(path: Path, lines: list[tuple[int, str]]) -> Trace:
     accesses: list[Access] = []
     chunk_size = 0
+    version = 0
     granularity = 0
     origin: float | None = None
     last_time = 0.0
@@ -287,18 +290,23 @@ def _parse_vulpes(path: Path, lines: list[tuple[int, str]]) -> Trace:
             continue
         if stripped.startswith(VULPES_MAGIC):
             parts = stripped.split()
-            if len(parts) != 4 or parts[2] != "1" or not parts[3].startswith("chunk_size="):
+            if len(parts) != 4 or parts[2] not in ("1", "2") or not parts[3].startswith("chunk_size="):
                 raise TraceFormatError(path, f"unsupported vulpes trace header {stripped!r} "
-                                             "(expected '# vulpes-trace 1 chunk_size=N')", number)
+                                             "(expected '# vulpes-trace 1|2 chunk_size=N')", number)
+            version = int(parts[2])
             chunk_size = _int_field(path, number, "chunk_size", parts[3].split("=", 1)[1])
             if chunk_size <= 0:
                 raise TraceFormatError(path, f"chunk_size {chunk_size} must be positive", number)
-            granularity = max(granularity, chunk_size)
+            if version == 1:
+                granularity = max(granularity, chunk_size)
             continue
         if stripped.startswith("#"):
             continue
         fields = stripped.split()
-        if len(fields) != 5:
+        if version == 2 and len(fields) != 7:
+            raise TraceFormatError(path, "expected 7 space-separated fields (time image chunk r|w source offset "
+                                         f"length), found {len(fields)}", number)
+        if version != 2 and len(fields) != 5:
             raise TraceFormatError(path, "expected 5 space-separated fields (time image chunk r|w source), "
                                          f"found {len(fields)}", number)
         when = _time_field(path, number, fields[0])
@@ -315,7 +323,13 @@ def _parse_vulpes(path: Path, lines: list[tuple[int, str]]) -> Trace:
             origin = when
         # Wall-clock times from several threads: a record may be a hair older than the one before.
         rel = max(when - origin, last_time)
-        accesses.append(Access(rel, index * chunk_size, chunk_size, op.upper(), fields[1], fields[4]))
+        offset, length = index * chunk_size, chunk_size
+        if version == 2:
+            offset = _int_field(path, number, "offset", fields[5])
+            length = _int_field(path, number, "length", fields[6])
+            if length <= 0 or not index * chunk_size <= offset < offset + length <= (index + 1) * chunk_size:
+                raise TraceFormatError(path, f"bytes {offset}+{length} are not inside chunk {index}", number)
+        accesses.append(Access(rel, offset, length, op.upper(), fields[1], fields[4]))
         last_time = rel
     return Trace(name="", accesses=accesses, metadata={}, granularity=granularity or 1, format="vulpes")
 

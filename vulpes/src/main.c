@@ -41,6 +41,7 @@ typedef struct Options {
         unsigned max_transfers;
         unsigned hoard_window;
         unsigned max_threads;
+        unsigned kernel_readahead_kib;
         int hoard;
         char *log_level;
         char *cache_limit;
@@ -76,6 +77,7 @@ static const struct fuse_opt option_spec[] = {
         OPTION("--max-transfers=%u", max_transfers),
         OPTION("--hoard-window=%u", hoard_window),
         OPTION("--max-threads=%u", max_threads),
+        OPTION("--kernel-readahead=%u", kernel_readahead_kib),
         OPTION("--hoard", hoard),
         OPTION("--log-level=%s", log_level),
         OPTION("--cache-limit=%s", cache_limit),
@@ -113,6 +115,8 @@ static void usage(const char *program) {
                "  --max-transfers=N      concurrent server transfers (default 16)\n"
                "  --hoard-window=N       hoard requests in flight (default 64)\n"
                "  --max-threads=N        FUSE worker threads (default 64)\n"
+               "  --kernel-readahead=KIB the kernel's readahead on the mount, which is also the read-around of\n"
+               "                         a page fault on the mapped memory image (default 0; at most 128)\n"
                "  --log-level=LEVEL      error, warning, info (default), debug\n"
                "  -d, -o OPT             libfuse options\n",
                program);
@@ -248,7 +252,7 @@ static void options_free(Options *o) {
 int main(int argc, char *argv[]) {
         struct fuse_args args = FUSE_ARGS_INIT(argc, argv);
         Options o = { .key_fd = -1, .ram_cache_mib = 128, .flush_interval_ms = 5000, .max_transfers = 16,
-                      .hoard_window = 64, .max_threads = 64 };
+                      .hoard_window = 64, .max_threads = 64, .kernel_readahead_kib = 0 };
         DaemonConfig config = { 0 };
         FuseOptions fuse_options = { 0 };
         Daemon *daemon = NULL;
@@ -301,6 +305,7 @@ int main(int argc, char *argv[]) {
 
         fuse_options.mountpoint = o.mountpoint;
         fuse_options.max_threads = o.max_threads;
+        fuse_options.kernel_readahead_kib = o.kernel_readahead_kib;
         fuse_options.argc = args.argc;
         fuse_options.argv = args.argv;
         r = mount_new(daemon, &fuse_options, &mount);

@@ -57,6 +57,7 @@ struct Mount {
         char *mountpoint;
         bool mounted, signals;
         unsigned max_threads;
+        unsigned kernel_readahead_kib;
 };
 
 typedef struct StatsSnapshot {
@@ -107,10 +108,15 @@ static int attr_fill(fuse_req_t req, fuse_ino_t ino, struct stat *st) {
 }
 
 static void op_init(void *userdata, struct fuse_conn_info *conn) {
-        (void) userdata;
-        /* Deep readahead and many background requests: each chunk that is not in RAM costs a cache file
-         * open and read (or a server round trip), so sequential reads need many chunks in flight. */
-        conn->max_readahead = 8 << 20;
+        Mount *m = userdata;
+
+        /* The kernel's readahead is also the read-around of a page fault on the mapped memory image: 128 KiB
+         * centred on the faulting page, which nearly always spans two chunks, so every fault of a resumed
+         * guest's RAM fetched two chunks, one after the other.  vulpes reads ahead itself (image.c), from the
+         * cache, where a sequential reader gains by it. */
+        conn->max_readahead = m->kernel_readahead_kib << 10;
+        /* Many background requests: each chunk that is not in RAM costs a cache file open and read (or a
+         * server round trip), so sequential reads need many chunks in flight. */
         conn->max_write = 1 << 20;
         conn->max_background = 64;
         conn->congestion_threshold = 48;
@@ -415,6 +421,7 @@ int mount_new(Daemon *d, const FuseOptions *options, Mount **ret) {
                 return -ENOMEM;
         m->daemon = d;
         m->max_threads = options->max_threads ? options->max_threads : 64;
+        m->kernel_readahead_kib = options->kernel_readahead_kib;
         m->mountpoint = strdup(options->mountpoint);
         if (!m->mountpoint) {
                 r = -ENOMEM;

@@ -5,6 +5,9 @@
 
 typedef struct FuseOptions {
         unsigned max_threads;
+        /* The kernel's readahead on the mount, also the read-around of a page fault in a mapped file (KiB;
+         * the kernel keeps it at or below its default of 128). */
+        unsigned kernel_readahead_kib;
         const char *mountpoint;
         int argc;                      /* libfuse's own options (-o ..., -d), argv[0] first */
         char **argv;

@@ -77,7 +77,7 @@ int trace_start(Trace *t, const char *path, uint32_t chunk_size) {
                 free(copy);
                 return r;
         }
-        fprintf(f, "# vulpes-trace 1 chunk_size=%u\n", chunk_size);
+        fprintf(f, "# vulpes-trace 2 chunk_size=%u\n", chunk_size);
         pthread_mutex_lock(&t->lock);
         stop_locked(t);
         t->file = f;
@@ -105,19 +105,21 @@ const char *trace_path(Trace *t) {
 }
 
 int trace_format(char *buf, size_t size, double when, const char *image, uint64_t idx, TraceOp op,
-                 StatsTier source) {
-        return snprintf(buf, size, "%.6f %s %llu %c %s", when, image, (unsigned long long) idx, (char) op,
-                        stats_tier_name(source));
+                 StatsTier source, uint64_t offset, size_t length) {
+        return snprintf(buf, size, "%.6f %s %llu %c %s %llu %zu", when, image, (unsigned long long) idx, (char) op,
+                        stats_tier_name(source), (unsigned long long) offset, length);
 }
 
-void trace_record(Trace *t, const char *image, uint64_t idx, TraceOp op, StatsTier source) {
+void trace_record(Trace *t, const char *image, uint64_t idx, TraceOp op, StatsTier source, uint64_t offset,
+                  size_t length) {
         struct timespec ts;
         char line[128];
 
         if (!atomic_load(&t->active))
                 return;
         clock_gettime(CLOCK_REALTIME, &ts);
-        trace_format(line, sizeof(line), (double) ts.tv_sec + (double) ts.tv_nsec / 1e9, image, idx, op, source);
+        trace_format(line, sizeof(line), (double) ts.tv_sec + (double) ts.tv_nsec / 1e9, image, idx, op, source,
+                     offset, length);
         pthread_mutex_lock(&t->lock);
         if (t->file) {
                 fputs(line, t->file);

@@ -18,8 +18,9 @@ Trace *trace_free(Trace *t);
 
 /*
  * Starts writing every chunk access to path (appending; a header line starts each run), replacing a
- * running trace.  Format (doc/vulpes.md): "# vulpes-trace 1 chunk_size=N" then one line per access,
- * "<unix time, µs precision> <image> <chunk index> <r|w> <source>", source being a StatsTier name.
+ * running trace.  Format (doc/vulpes.md): "# vulpes-trace 2 chunk_size=N" then one line per access to a
+ * chunk, "<unix time, µs precision> <image> <chunk index> <r|w> <source> <offset> <length>", source
+ * being a StatsTier name and offset, length the bytes of the image the access touched in that chunk.
  */
 int trace_start(Trace *t, const char *path, uint32_t chunk_size);
 
@@ -29,8 +30,9 @@ uint64_t trace_stop(Trace *t);
 bool trace_active(Trace *t);
 const char *trace_path(Trace *t);   /* NULL when inactive; valid until the next start or stop */
 
-void trace_record(Trace *t, const char *image, uint64_t idx, TraceOp op, StatsTier source);
+void trace_record(Trace *t, const char *image, uint64_t idx, TraceOp op, StatsTier source, uint64_t offset,
+                  size_t length);
 
 /* Formats one record as trace_record() writes it (without newline); used by the unit test. */
 int trace_format(char *buf, size_t size, double when, const char *image, uint64_t idx, TraceOp op,
-                 StatsTier source);
+                 StatsTier source, uint64_t offset, size_t length);
