@@ -60,6 +60,7 @@ enum {
                                             * then the object): keep many in flight to keep both cores busy */
         READAHEAD_QUEUE = 64,
         READAHEAD_SLACK = 4,               /* chunks a sequential read may lag behind the furthest one */
+        READAHEAD_FETCH = 4,               /* chunks after a sequential read fetched from the server */
 };
 
 typedef struct Chunk {
@@ -412,7 +413,39 @@ static void readahead_locked(Image *img, uint64_t first, uint64_t last) {
         img->ra_end = idx;
 }
 
-/* A readahead worker: loads queued chunks from the cache (verified like every load) into RAM. */
+typedef struct Prefetch {
+        Cache *cache;
+        uint8_t tag[IMAGE_TAG_LEN];
+} Prefetch;
+
+/* On the fetch thread: a prefetched object (verified against its tag by the fetcher) goes to the cache. */
+static void prefetch_done(int result, const uint8_t *object, size_t len, void *userdata) {
+        Prefetch *p = userdata;
+
+        if (result == 0)
+                cache_put(p->cache, p->tag, object, len, false);
+        free(p);
+}
+
+/*
+ * A chunk just after a sequential read is not in the cache: fetch it into the cache at hoard priority
+ * (paced, behind every demand request), so that the reader finds it there or joins the transfer under way
+ * (fetch.c moves it to demand priority).  Without this a cold sequential read waited one round trip per
+ * chunk: the kernel's readahead is off (mount.c) and the guest's own is one request at a time.
+ */
+static void prefetch(Image *img, const KeyringRecord *rec) {
+        Prefetch *p;
+
+        if (!img->src.fetcher || !(p = malloc(sizeof(*p))))
+                return;
+        p->cache = img->src.cache;
+        memcpy(p->tag, rec->tag, IMAGE_TAG_LEN);
+        if (fetch_get(img->src.fetcher, p->tag, FETCH_HOARD, prefetch_done, p) < 0)
+                free(p);
+}
+
+/* A readahead worker: loads queued chunks from the cache (verified like every load) into RAM, and has the
+ * first few that are not there fetched from the server into the cache. */
 static void *readahead_thread(void *userdata) {
         Image *img = userdata;
 
@@ -435,6 +468,15 @@ static void *readahead_thread(void *userdata) {
                 pthread_mutex_unlock(&img->lock);
                 r = chunk_load(img, idx, &rec, true, &data, &tier);
                 pthread_mutex_lock(&img->lock);
+                if (r == -ENOENT && idx < img->ra_next + READAHEAD_FETCH) {
+                        pthread_mutex_unlock(&img->lock);
+                        prefetch(img, &rec);
+                        pthread_mutex_lock(&img->lock);
+                } else if (r == -ENOENT && idx < img->ra_end) {
+                        /* Not in the cache and too far ahead to fetch yet: queue it again when the reader
+                         * comes nearer. */
+                        img->ra_end = idx;
+                }
                 if (r < 0) {
                         img->chunks[idx].state = CHUNK_ABSENT;
                         pthread_cond_broadcast(&img->cond);
