@@ -564,6 +564,53 @@ def test_demand_overtakes_hoard(vulpes_binary: Path, tmp_path: Path) -> None:
         server.stop()
 
 
+def test_hoard_takes_the_memory_image_first(vulpes_binary: Path, tmp_path: Path) -> None:
+    """A resumed guest touches its RAM before anything else: a hoard of everything fetches memory chunks first."""
+    state = make_state(tmp_path / "state", random_image(4 * MIB, seed=161, data_fraction=1.0), 4 * MIB,
+                       memory=random_image(4 * MIB, seed=162, data_fraction=1.0))
+    store = tmp_path / "store"
+    state.publish(store)
+    server = FaultServer(store, tmp_path).start()
+    try:
+        with fault_vulpes(vulpes_binary, tmp_path, state, server) as v:
+            assert v.control({"op": "hoard", "wait": True}, timeout=60)["status"]["hoard"]["state"] == "done"
+        memory = {state.tag_of("memory", i).hex() for i in range(32)}
+        # Transfers run side by side, so the two images may meet out of order, but only where they meet.
+        assert set(server.order[:16]) <= memory and not set(server.order[-16:]) & memory, server.order
+    finally:
+        server.stop()
+
+
+def test_fault_fetches_one_chunk_and_sequential_reads_fetch_ahead(vulpes_binary: Path, isr_server: IsrServer,
+                                                                  tmp_path: Path) -> None:
+    """With the kernel's readahead off, a page fault on the mapped memory image fetches its own chunk only (the
+    kernel's 128 KiB read-around would take the neighbour too); a sequential read of the disk has the next
+    chunks fetched from the server into the cache ahead of it."""
+    memory = random_image(2 * MIB, seed=171, data_fraction=1.0)
+    state = make_state(tmp_path / "state", random_image(4 * MIB, seed=172, data_fraction=1.0), 2 * MIB,
+                       memory=memory)
+    state.publish(isr_server.store)
+    cache = tmp_path / "cache"
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        fd = os.open(v.path("memory"), os.O_RDONLY)
+        try:
+            with mmap.mmap(fd, 2 * MIB, mmap.MAP_SHARED, mmap.PROT_READ) as m:
+                offset = 5 * CHUNK_SIZE + 4096          # a read-around centred here would start in chunk 4
+                assert m[offset:offset + 8] == memory[offset:offset + 8]
+        finally:
+            os.close(fd)
+        assert chunk_path(cache, state.tag_of("memory", 5)).exists()
+        assert not chunk_path(cache, state.tag_of("memory", 4)).exists()
+        assert v.status()["fetch"]["fetches"] == 1
+        with open(v.path("disk"), "rb", buffering=0) as f:
+            f.read(CHUNK_SIZE)
+            f.read(CHUNK_SIZE)                          # sequential: chunks 2-5 are fetched ahead
+        for index in range(2, 6):
+            wait_until(lambda: chunk_path(cache, state.tag_of("disk", index)).exists(), 30,
+                       f"disk chunk {index} to be fetched ahead")
+        assert not chunk_path(cache, state.tag_of("disk", 12)).exists()
+
+
 def test_trace_records_every_access(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
     content = random_image(2 * MIB, seed=101, data_fraction=1.0)
     state = make_state(tmp_path / "state", content, 1 * MIB)
