@@ -29,6 +29,7 @@ from . import auth, names
 from .config import ENV_CONFIG, MAX_CHUNK_OBJECT, Config
 from .errors import (ApiError, BadRequest, Conflict, Forbidden, MethodNotAllowed, NotFound, StorageError,
                      TooLarge, TooManyAttempts, Unauthorized, Unavailable, Unprocessable)
+from .groupcommit import ChunkCommitter
 from .meta import LockInfo, ParcelInfo, TokenInfo, open_meta
 from .meta.sql import SqlMeta
 from .ops import publisher
@@ -202,6 +203,7 @@ class IsrApp:
         self.config = config
         self.meta: SqlMeta | None = None
         self.store: ObjectStore | None = None
+        self.chunk_commits: ChunkCommitter | None = None
         self.serving = config.chunk_serving
         self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="isr-io")
         self.token_cache: dict[str, tuple[float, TokenInfo]] = {}
@@ -228,6 +230,7 @@ class IsrApp:
                 store = await self.run(open_store, self.config)
                 meta = await self.run(open_meta, self.config)
                 assert isinstance(meta, SqlMeta)
+                self.chunk_commits = ChunkCommitter(self.run, store, meta)
                 self.store, self.meta = store, meta
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -708,15 +711,15 @@ class IsrApp:
             raise Unprocessable("a chunk object is at least 28 bytes", code="bad_chunk")
         if hashlib.sha256(data).hexdigest() != tag:
             raise Unprocessable("the SHA-256 of the body is not the tag it was sent under", code="tag_mismatch")
-        assert self.meta is not None and self.store is not None
+        assert self.meta is not None and self.store is not None and self.chunk_commits is not None
         meta, store = self.meta, self.store
         key = chunk_key(tag)
         existed = await self.run(store.size, key) == len(data)
         deadline = time.monotonic() + 10
         while True:
-            if not existed:
-                await self.run(store.put_bytes, key, data)
-            if await self.run(meta.chunk_add, tag, len(data)):
+            # Answered only once the batch it joins is durable and recorded (server.groupcommit).
+            staged = None if existed else await self.run(store.stage, key, data)
+            if await self.chunk_commits.add(tag, len(data), staged):
                 break
             # gc is deleting this chunk right now: wait until it is done, then store it again.
             while await self.run(meta.chunk_state, tag) == 1:

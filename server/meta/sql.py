@@ -466,10 +466,21 @@ class SqlMeta(MetaStore):
     def chunk_add(self, tag: str, size: int) -> bool:
         """Record an uploaded chunk (or refresh its touch time). Return False if gc is deleting it right
         now (state 1): the caller must wait until `chunk_state` is None and upload again."""
+        return tag not in self.chunks_add([(tag, size)])
+
+    def chunks_add(self, chunks: Sequence[tuple[str, int]]) -> set[str]:
+        """`chunk_add` for many (tag, size) pairs in one transaction, so that a batch of uploads costs one
+        commit (`server.groupcommit`); every row gets the transaction's time as its touch time. Return the
+        tags gc is deleting right now."""
+        refused: set[str] = set()
+        now = time.time()
         with self._tx(write=True) as cur:
-            return cur.run("INSERT INTO chunks (tag, size, touched, state) VALUES (?, ?, ?, 0) "
+            for tag, size in chunks:
+                if cur.run("INSERT INTO chunks (tag, size, touched, state) VALUES (?, ?, ?, 0) "
                            "ON CONFLICT (tag) DO UPDATE SET touched = excluded.touched WHERE chunks.state = 0",
-                           (tag, size, time.time())) == 1
+                           (tag, size, now)) != 1:
+                    refused.add(tag)
+        return refused
 
     def chunk_state(self, tag: str) -> int | None:
         with self._tx() as cur:

@@ -6,7 +6,7 @@ client input, so a key cannot leave the store.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +30,14 @@ def parcel_prefix(parcel: str) -> str:
 
 def staging_prefix(parcel: str, lock_id: str) -> str:
     return f"staging/{parcel}/{lock_id}/"
+
+
+@dataclass(frozen=True)
+class Staged:
+    """An object written by `ObjectStore.stage` that is not yet durable under its key."""
+
+    key: str
+    path: Path
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,19 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None:
         """Store `data` under `key` durably (temp + fsync + rename on file systems)."""
+
+    def stage(self, key: str, data: bytes) -> Staged | None:
+        """Write `data` for `key` without its durability point, which `publish` then gives a whole batch
+        at once (group commit). None: the object is durable under its key already; this default stores it
+        with `put_bytes` (an S3 PUT is durable when it returns, so there is nothing to batch)."""
+        self.put_bytes(key, data)
+        return None
+
+    def publish(self, staged: Sequence[Staged]) -> None:
+        """Make staged objects durable under their keys, with one durability point for all of them where
+        the backend allows; when it raises, none of them may be relied on (the temporary copies are gone)."""
+        if staged:
+            raise NotImplementedError(f"the {self.kind} store stages nothing")
 
     @abc.abstractmethod
     def new_upload(self) -> Upload:

@@ -3,18 +3,30 @@
 Every object is written as a temporary file under ``ROOT/tmp``, fsynced, renamed into place, and its
 directory fsynced (doc/parcel-format.md). Chunk files are sent by the web server straight from disk
 (`local_path`), so chunk GETs never copy bytes through Python.
+
+Chunk uploads are group-committed (`server.groupcommit`): `stage` writes the temporary file only, and
+`publish` gives a batch one durability point: a `syncfs()` of the store's file system for every file's
+bytes, the renames, and one more `syncfs()` for the names (a batch of `SMALL_BATCH` or fewer syncs its
+files and directories one by one, which costs less than flushing the whole file system).
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..errors import NotFound, StorageError
-from .base import ObjectInfo, ObjectStore, Upload
+from .base import ObjectInfo, ObjectStore, Staged, Upload
+
+#: Batches up to this size sync file by file; larger ones with two syncfs() calls.
+SMALL_BATCH = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_syncfs = getattr(_libc, "syncfs", None)
 
 
 class DirectoryStore(ObjectStore):
@@ -48,6 +60,40 @@ class DirectoryStore(ObjectStore):
 
     def new_upload(self) -> Upload:
         return _FileUpload(self)
+
+    def stage(self, key: str, data: bytes) -> Staged | None:
+        upload = _FileUpload(self)
+        upload.write(data)
+        upload.close(sync=False)
+        return Staged(key, Path(upload.name))
+
+    def publish(self, staged: Sequence[Staged]) -> None:
+        if not staged:
+            return
+        one_by_one = len(staged) <= SMALL_BATCH or _syncfs is None
+        done = 0
+        try:
+            if one_by_one:
+                for item in staged:
+                    _fsync_path(item.path, os.O_RDONLY)
+            else:
+                _sync_file_system(self.root)
+            dirs: set[Path] = set()
+            for item in staged:
+                target = self._path(item.key)
+                _rename_into(item.path, target)
+                dirs.add(target.parent)
+                done += 1
+            if one_by_one:
+                for directory in dirs:
+                    _fsync_dir(directory)
+            else:
+                _sync_file_system(self.root)
+        except OSError as e:
+            for item in staged[done:]:
+                with contextlib.suppress(OSError):
+                    os.unlink(item.path)
+            raise StorageError(f"cannot store {len(staged)} objects: {e.strerror}") from None
 
     def get_bytes(self, key: str) -> bytes:
         try:
@@ -151,17 +197,22 @@ class _FileUpload(Upload):
             raise StorageError(f"cannot write {self.name}: {e.strerror}") from None
         self.size += len(data)
 
-    def commit(self, key: str) -> None:
-        target = self.store._path(key)
+    def close(self, *, sync: bool) -> None:
+        """Close the temporary file (after an fsync with ``sync``)."""
         try:
             self.file.flush()
-            os.fsync(self.file.fileno())
+            if sync:
+                os.fsync(self.file.fileno())
             self.file.close()
-            try:
-                os.rename(self.name, target)
-            except FileNotFoundError:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.rename(self.name, target)
+        except OSError as e:
+            self.abort()
+            raise StorageError(f"cannot write {self.name}: {e.strerror}") from None
+
+    def commit(self, key: str) -> None:
+        target = self.store._path(key)
+        self.close(sync=True)
+        try:
+            _rename_into(Path(self.name), target)
             _fsync_dir(target.parent)
         except OSError as e:
             self.abort()
@@ -178,12 +229,37 @@ class _FileUpload(Upload):
             pass
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _rename_into(source: Path, target: Path) -> None:
+    """Rename a temporary file to its object's name, making the directories on the way."""
+    try:
+        os.rename(source, target)
+    except FileNotFoundError:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(source, target)
+
+
+def _fsync_path(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    _fsync_path(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _sync_file_system(path: Path) -> None:
+    """syncfs(2): every dirty file and directory of the file system that holds `path`."""
+    assert _syncfs is not None
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _syncfs(fd) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
     finally:
         os.close(fd)
