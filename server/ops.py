@@ -266,6 +266,10 @@ def prune(meta: SqlMeta, store: ObjectStore, parcel: str, keep: int) -> list[int
 # --- whole-store maintenance --------------------------------------------------------------------------
 
 
+#: gc deletes an object that has no index row only once it is this many seconds old (see `gc`).
+ORPHAN_MIN_AGE = 60.0
+
+
 def gc(meta: SqlMeta, store: ObjectStore, grace: float, progress: Progress | None = None,
        dry_run: bool = False) -> dict[str, Any]:
     """Delete chunk objects no version references, and stale staging areas.
@@ -296,10 +300,13 @@ def gc(meta: SqlMeta, store: ObjectStore, grace: float, progress: Progress | Non
     meta.chunk_forget(doomed, only_doomed=True)
     stats["deleted"] = len(doomed)
     stats["deleted_bytes"] = sum(sizes.values())
-    # Objects without an index row (an upload that died between writing the file and the row).
+    # Objects without an index row (an upload that died between writing the file and the row). A live
+    # upload also has an object and no row for a moment, and an object store may round modification
+    # times down to whole seconds: so never younger than ORPHAN_MIN_AGE, whatever the grace.
     known = {row.tag for row in meta.chunk_rows()}
+    orphan_cutoff = started - max(grace, ORPHAN_MIN_AGE)
     for tag, info in store.iter_chunks():
-        if tag not in known and info.mtime < cutoff:
+        if tag not in known and info.mtime < orphan_cutoff:
             store.delete(info.key)
             stats["orphans_deleted"] += 1
     # Staging areas of locks that no longer exist.
