@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 
 from parcels import crypto, seal
+from parcels.chunk import chunk_count
 from parcels.keyring import HEADER_SIZE, RECORD_SIZE, decode_stream
 from parcels.manifest import IMAGES, BlobInfo, ImageInfo, Manifest, Timestamps, open_manifest, seal_manifest, utc_now
 from parcels.parcel import ParcelKeys
@@ -88,7 +89,7 @@ def upload_from_cache(client: Client, tags: list[str], reporter: Reporter, *, la
                                f"{cache}: the local state is damaged; `isr discard` drops it") from None
     total = sum(sizes.values())
     bar = reporter.progress(label, total)
-    sent = 0
+    sent = sent_chunks = 0
     lock = threading.Lock()
     local = threading.local()
     remotes: list[Remote] = []
@@ -102,7 +103,7 @@ def upload_from_cache(client: Client, tags: list[str], reporter: Reporter, *, la
         return local.remote
 
     def send(tag: str) -> None:
-        nonlocal sent
+        nonlocal sent, sent_chunks
         data = cache_object_path(cache, tag).read_bytes()
         if hashlib.sha256(data).hexdigest() != tag:
             raise CheckinError(f"chunk object {tag} in the cache {cache} is damaged: the local state cannot be "
@@ -110,6 +111,7 @@ def upload_from_cache(client: Client, tags: list[str], reporter: Reporter, *, la
         worker_remote().put_chunk(tag, data)
         with lock:
             sent += len(data)
+            sent_chunks += 1
             bar.update(sent)
 
     try:
@@ -117,7 +119,8 @@ def upload_from_cache(client: Client, tags: list[str], reporter: Reporter, *, la
             for future in [pool.submit(send, tag) for tag in tags]:
                 future.result()
     finally:
-        bar.close(f"{len(tags)} chunks")
+        # Say what was sent, not what was meant to be: an upload cut short says how far it got.
+        bar.close(f"{len(tags)} chunks" if sent_chunks == len(tags) else f"{sent_chunks} of {len(tags)} chunks sent")
         for r in remotes:
             r.close()
     return sent
@@ -140,7 +143,10 @@ def new_manifest(base: Manifest, change: LocalChange, streams: dict[str, bytes],
                                      size=int(change.devstate["size"]))
         vm = type(base.vm)(**{**base.vm.__dict__, "qemu_version": change.qemu_version or qemu_version})
     now = utc_now()
-    working_set = {image: list(change.working_set.get(image, [])) for image in IMAGES}
+    counts = {image: chunk_count(base.chunk_size, base.images[image].size) for image in IMAGES}
+    working_set, problem = workingset.checked(change.working_set, counts)
+    if problem is not None:
+        log.warning("the working set recorded at suspend is left out of version %d: %s", base.version + 1, problem)
     manifest = base.replace(version=base.version + 1, parent=base.version, images=images, blobs=blobs, vm=vm,
                             suspended=suspended, working_set=working_set,
                             timestamps=Timestamps(created=now, suspended=change.suspended_at if suspended else None))

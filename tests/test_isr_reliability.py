@@ -12,6 +12,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -213,3 +214,48 @@ def test_a_blob_that_does_not_decrypt_is_named(isr_env: IsrEnv, tmp_path: Path) 
             one_line_error(result, "AES-GCM", *words)
         a.isr("checkout", parcel.name, "--keyfile", str(parcel.keyfile))
         a.isr("clean", parcel.name)
+
+
+def test_an_upload_cut_short_does_not_claim_every_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkin's upload (from the cache) to a server that is gone: the progress line says how many chunks
+    were sent (none), not the number it meant to send, and the error is the connection's."""
+    import hashlib
+    import os
+
+    from isrctl import checkin, config
+    from isrctl.checkout import Client
+    from isrctl.remote import RemoteUnreachable
+    from isrctl.vulpes import cache_object_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tags = []
+    for _ in range(5):
+        data = os.urandom(2000)
+        tag = hashlib.sha256(data).hexdigest()
+        path = cache_object_path(tmp_path / "cache" / "isr" / "chunks", tag)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        tags.append(tag)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens once this socket is closed
+    notes: list[str] = []
+
+    class Recorder:
+        def say(self, text: str) -> None:
+            pass
+
+        def progress(self, label: str, total: int, unit: str = "B") -> Any:
+            class Bar:
+                def update(self, done: int, total: int | None = None) -> None:
+                    pass
+
+                def close(self, note: str = "") -> None:
+                    notes.append(note)
+            return Bar()
+
+    cfg = config.ClientConfig(server=f"https://127.0.0.1:{port}", user="alice", fingerprint="sha256:" + "0" * 64,
+                              pin="sha256//" + "A" * 43 + "=", site="A")
+    with Client(cfg, token="isr_test", timeout=5) as client, pytest.raises(RemoteUnreachable):
+        checkin.upload_from_cache(client, tags, Recorder())
+    assert notes == ["0 of 5 chunks sent"], notes
