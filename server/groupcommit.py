@@ -2,10 +2,11 @@
 
 Each chunk PUT used to make its object durable on its own (an fsync of the file and one of its directory)
 and then record it in the chunk index in a transaction of its own. Now a request writes its object
-without syncing (`ObjectStore.stage`) and queues it here; one commit at a time runs per worker process,
-and whatever queued up meanwhile forms the next batch (no timer: an upload that finds nobody committing
-is committed at once). A batch is one `ObjectStore.publish` (directory store: two ``syncfs()`` calls,
-whatever the batch size; S3: nothing, its PUTs are durable when they return) followed by one metadata
+(`ObjectStore.stage`: the directory store fsyncs the temporary file, not yet its name) and queues it here;
+one commit at a time runs per worker process, and whatever queued up meanwhile forms the next batch (no
+timer: an upload that finds nobody committing is committed at once). A batch is one `ObjectStore.publish`
+(directory store: the renames, then an fsync of each directory, of which the first commits the journal
+with all the renames; S3: nothing, its PUTs are durable when they return) followed by one metadata
 transaction (`SqlMeta.chunks_add`, sqlite or PostgreSQL). A request is answered only after its batch
 committed, so an acknowledged upload is as durable as before, and the order is as before: the object is
 durable under its name before the index records it.

@@ -4,15 +4,16 @@ Every object is written as a temporary file under ``ROOT/tmp``, fsynced, renamed
 directory fsynced (doc/parcel-format.md). Chunk files are sent by the web server straight from disk
 (`local_path`), so chunk GETs never copy bytes through Python.
 
-Chunk uploads are group-committed (`server.groupcommit`): `stage` writes the temporary file only, and
-`publish` gives a batch one durability point: a `syncfs()` of the store's file system for every file's
-bytes, the renames, and one more `syncfs()` for the names (a batch of `SMALL_BATCH` or fewer syncs its
-files and directories one by one, which costs less than flushing the whole file system).
+Chunk uploads are group-committed (`server.groupcommit`): `stage` writes and fsyncs the temporary file
+(in the request's own thread, so the uploads of a batch sync their bytes in parallel), and `publish`
+renames a whole batch into place and then fsyncs each directory it renamed into: the first of those
+commits the file system's journal with every rename of the batch in it, so the others find little left
+to do. Not `syncfs()`: that flushes every dirty file of the file system, and with another program writing
+a lot to it (1.5 GB being written here) one took 440 ms where a file and directory fsync took 1.3 ms.
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import shutil
@@ -22,11 +23,6 @@ from pathlib import Path
 
 from ..errors import NotFound, StorageError
 from .base import ObjectInfo, ObjectStore, Staged, Upload
-
-#: Batches up to this size sync file by file; larger ones with two syncfs() calls.
-SMALL_BATCH = 2
-_libc = ctypes.CDLL(None, use_errno=True)
-_syncfs = getattr(_libc, "syncfs", None)
 
 
 class DirectoryStore(ObjectStore):
@@ -64,31 +60,20 @@ class DirectoryStore(ObjectStore):
     def stage(self, key: str, data: bytes) -> Staged | None:
         upload = _FileUpload(self)
         upload.write(data)
-        upload.close(sync=False)
+        upload.close(sync=True)
         return Staged(key, Path(upload.name))
 
     def publish(self, staged: Sequence[Staged]) -> None:
-        if not staged:
-            return
-        one_by_one = len(staged) <= SMALL_BATCH or _syncfs is None
         done = 0
         try:
-            if one_by_one:
-                for item in staged:
-                    _fsync_path(item.path, os.O_RDONLY)
-            else:
-                _sync_file_system(self.root)
-            dirs: set[Path] = set()
+            dirs: dict[Path, None] = {}
             for item in staged:
                 target = self._path(item.key)
                 _rename_into(item.path, target)
-                dirs.add(target.parent)
+                dirs[target.parent] = None
                 done += 1
-            if one_by_one:
-                for directory in dirs:
-                    _fsync_dir(directory)
-            else:
-                _sync_file_system(self.root)
+            for directory in dirs:
+                _fsync_dir(directory)
         except OSError as e:
             for item in staged[done:]:
                 with contextlib.suppress(OSError):
@@ -238,28 +223,12 @@ def _rename_into(source: Path, target: Path) -> None:
         os.rename(source, target)
 
 
-def _fsync_path(path: Path, flags: int) -> None:
-    fd = os.open(path, flags)
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    _fsync_path(path, os.O_RDONLY | os.O_DIRECTORY)
-
-
-def _sync_file_system(path: Path) -> None:
-    """syncfs(2): every dirty file and directory of the file system that holds `path`."""
-    assert _syncfs is not None
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        if _syncfs(fd) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, os.strerror(code))
     finally:
         os.close(fd)
