@@ -74,9 +74,19 @@ def netns() -> Iterator[None]:
         run("ip", "netns", "del", NETNS, check=False)
 
 
-def link_bandwidth(seconds: float = 4.0, *, namespace: str = NETNS, ns_addr: str = NS_ADDR) -> float:
-    """Measured bulk TCP goodput from the network namespace ``namespace`` (address ``ns_addr``) to the host,
-    in Mbit/s (one connection)."""
+def use_namespace(name: str, host_if: str, ns_if: str, subnet: str) -> None:
+    """Use namespace ``name``, veth pair ``host_if``/``ns_if`` and ``subnet``.1/.2 (e.g. "10.232.0") instead of
+    the defaults in everything below, so that a benchmark can run while another one uses the defaults
+    (``netns()`` deletes a namespace of its name before it starts)."""
+    global NETNS, HOST_IF, NS_IF, HOST_ADDR, NS_ADDR
+    NETNS, HOST_IF, NS_IF, HOST_ADDR, NS_ADDR = name, host_if, ns_if, f"{subnet}.1", f"{subnet}.2"
+
+
+def link_bandwidth(seconds: float = 4.0, *, namespace: str | None = None, ns_addr: str | None = None) -> float:
+    """Measured bulk TCP goodput from the network namespace ``namespace`` (address ``ns_addr``; default: the
+    current namespace of this module) to the host, in Mbit/s (one connection)."""
+    namespace = namespace or NETNS
+    ns_addr = ns_addr or NS_ADDR
     port = 5399
     sender = subprocess.Popen(
         ["ip", "netns", "exec", namespace, sys.executable, "-c",
