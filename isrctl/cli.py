@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from parcels.chunk import chunk_count
 from parcels.errors import ParcelError
 from parcels.keyring import Keyring, decode_stream
 from parcels.manifest import IMAGES, open_keyring, open_manifest, seal_manifest, utc_now
@@ -681,7 +682,11 @@ def cmd_hoard(args: argparse.Namespace) -> int:
                 manifest = open_manifest(parcel_keys.parcel_key, state.base_manifest_sealed(),
                                          parcel=uuid.UUID(state.parcel), version=checkout.version)
                 if change is not None and change.state in (SUSPENDED, POWEROFF):
-                    working_set = change.working_set
+                    counts = {image: chunk_count(manifest.chunk_size, manifest.images[image].size)
+                              for image in IMAGES}
+                    working_set, problem = workingset.checked(change.working_set, counts)
+                    if problem is not None and args.working_set:
+                        reporter.say(f"warning: the working set recorded here is ignored ({problem})")
                 else:
                     working_set = manifest.working_set
                 hoard_dir = state.dir

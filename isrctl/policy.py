@@ -14,8 +14,10 @@ The timeline (Kozuch et al., *Efficient State Transfer for Internet Suspend/Resu
   resume latency, no slowdown, and the session can then run disconnected.
 - ``proactive`` (fully proactive): everything was transferred during t3 by an earlier ``isr hoard``;
   resume only launches the VM. Anything the hoard did not get is fetched on demand, and resume says how much.
-- ``demand`` (pure demand-fetch): only the device state and the keyrings are fetched in t4; every chunk
-  arrives on first touch during t5.
+- ``demand`` (demand-fetch): only the device state and the keyrings are fetched in t4; every chunk arrives
+  on first touch during t5. Unlike the papers' pure demand-fetch, the link does not idle while the guest
+  computes: whenever no guest read has waited for a moment, vulpes streams the recorded working set, then
+  the rest of the disk, so that later misses are fewer (vulpes's idle priority, doc/vulpes.md).
 - ``lazy-ws`` (lazy working set): as demand, and vulpes hoards the working set recorded at the last
   suspend in the background during t5 (a guest read always overtakes the hoard).
 - ``eager-ws`` (eager working set): ``isr hoard --working-set`` fetched the recorded working set during t3;
@@ -47,18 +49,21 @@ class Policy:
     expects_hoard: str | None = None
     #: Trickle dirty chunks to the server while the VM runs.
     writeback: bool = False
+    #: Stream the working set, then the rest of the disk, while no guest read waits (t5).
+    stream_when_idle: bool = False
 
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("baseline", "transfer everything before the VM starts", hoard_all_first=True),
     Policy("proactive", "everything was hoarded ahead of time (isr hoard); demand-fetch what is missing",
            expects_hoard="all"),
-    Policy("demand", "start at once; fetch chunks when the guest first touches them"),
+    Policy("demand", "start at once; fetch chunks when the guest first touches them, and the rest while it does not "
+                     "wait", stream_when_idle=True),
     Policy("lazy-ws", "start at once; hoard the last working set in the background", hoard_working_set_lazily=True),
     Policy("eager-ws", "the working set was hoarded ahead of time (isr hoard --working-set)",
            expects_hoard="working-set"),
     Policy("eager-writeback", "start at once; trickle dirty chunks to the server while the VM runs",
-           writeback=True),
+           writeback=True, stream_when_idle=True),
 )}
 
 DEFAULT = "demand"

@@ -522,9 +522,18 @@ class Session:
             return list(keyring)
 
     def _working_set(self, manifest: Manifest, change: LocalChange | None) -> dict[str, list[int]]:
+        """The working set recorded at the last suspend (this site's, or the version's); one that cannot be
+        used is ignored with a warning: it only steers prefetching."""
+        recorded: object = manifest.working_set
         if change is not None and change.state in (SUSPENDED, POWEROFF):
-            return change.working_set
-        return manifest.working_set
+            recorded = change.working_set
+        counts = {image: chunk_count(manifest.chunk_size, manifest.images[image].size) for image in IMAGES}
+        working_set, problem = workingset.checked(recorded, counts)
+        if problem is not None:
+            log.warning("recorded working set ignored: %s", problem)
+            self.reporter.say(f"  warning: the recorded working set is ignored ({problem}); chunks are fetched "
+                              f"as the guest touches them")
+        return working_set
 
     def _apply_policy_before(self, manifest: Manifest, change: LocalChange | None) -> None:
         assert self.vulpes is not None
@@ -562,6 +571,11 @@ class Session:
             self.vulpes.hoard(disk=ws["disk"], memory=ws["memory"])
             self.reporter.say(f"  hoarding the working set in the background ({len(ws['disk'])} disk and "
                               f"{len(ws['memory'])} memory chunks)")
+        elif self.policy.stream_when_idle:
+            ws = self._working_set(manifest, change)
+            self.vulpes.hoard(disk=ws["disk"], memory=ws["memory"], then_all=("disk",), idle=True)
+            self.reporter.say(f"  while the guest does not wait: the working set ({len(ws['disk'])} disk and "
+                              f"{len(ws['memory'])} memory chunks), then the rest of the disk")
         if self.policy.writeback or self.options.writeback:
             self.vulpes.writeback(True, self.options.writeback_rate)
             rate = self.options.writeback_rate

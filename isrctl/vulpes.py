@@ -222,12 +222,17 @@ class Vulpes:
         return int(self.control({"op": "upload"}, timeout=3600).get("uploaded", 0))
 
     def hoard(self, disk: Sequence[int] | None = None, memory: Sequence[int] | None = None, *,
-              everything: bool = False, wait: bool = False) -> dict[str, Any]:
-        """Start hoarding: everything, or the listed chunk indices in priority order. Returns the status."""
-        request: dict[str, Any] = {"op": "hoard", "wait": wait}
+              everything: bool = False, wait: bool = False, then_all: Sequence[str] = (),
+              idle: bool = False) -> dict[str, Any]:
+        """Start hoarding: everything, or the listed chunk indices in priority order, followed by the rest of
+        each image named in ``then_all``. ``idle``: only while no guest read waits (doc/vulpes.md, fetch.c).
+        Returns the status."""
+        request: dict[str, Any] = {"op": "hoard", "wait": wait, "priority": "idle" if idle else "hoard"}
         if not everything:
-            request["disk"] = list(disk or [])
-            request["memory"] = list(memory or [])
+            for image, indices in (("disk", disk), ("memory", memory)):
+                request[image] = list(indices or [])
+                if image in then_all:
+                    request[image] = {"first": request[image], "then": "all"}
         return dict(self.control(request, timeout=86400 if wait else 60)["status"])
 
     def hoard_stop(self) -> None:

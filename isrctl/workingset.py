@@ -67,6 +67,26 @@ class CacheCoverage:
         return self.cached / self.chunks if self.chunks else 1.0
 
 
+def checked(working_set: object, chunk_counts: dict[str, int]) -> tuple[dict[str, list[int]], str | None]:
+    """``working_set`` if it is a usable list per image (whole numbers, each below that image's chunk count,
+    none twice), else empty lists and the reason: a damaged record, or one from a version with other image
+    sizes, must only cost the prefetch, never the resume."""
+    empty: dict[str, list[int]] = {image: [] for image in IMAGES}
+    if not isinstance(working_set, dict):
+        return empty, "it is not a list per image"
+    out: dict[str, list[int]] = {}
+    for image in IMAGES:
+        indices = working_set.get(image, [])
+        if not isinstance(indices, list) or not all(type(i) is int for i in indices):
+            return empty, f"its {image} list is not a list of chunk numbers"
+        if any(not 0 <= i < chunk_counts.get(image, 0) for i in indices):
+            return empty, f"its {image} list names chunks this version's {image} image does not have"
+        if len(set(indices)) != len(indices):
+            return empty, f"its {image} list names a chunk twice"
+        out[image] = list(indices)
+    return out, None
+
+
 def coverage(cache_dir: Path, records: Iterable[KeyringRecord]) -> CacheCoverage:
     """Count the records whose chunk object is in the cache (by file; the files are the truth)."""
     tags = {record.tag for record in records}

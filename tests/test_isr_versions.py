@@ -3,6 +3,7 @@
 with a real session on loopback."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -60,6 +61,19 @@ def test_foreground_sync_poweroff_rollback(isr_env: IsrEnv, tmp_path: Path) -> N
         info = a.stat(parcel)
         assert info["local"]["state"] == "suspended" and info["lock"] is not None
         assert info["images"]["memory"]["changed_chunks"] > 0
+
+        # A damaged working-set record only costs the prefetch: the resume warns and the guest carries on.
+        local = a.state_dir(parcel) / "local.json"
+        record = json.loads(local.read_text())
+        record["working_set"]["memory"] = [0, 10**9]
+        local.write_text(json.dumps(record))
+        out = a.resume(parcel, "--policy", "lazy-ws").stdout
+        assert "warning: the recorded working set is ignored (its memory list names chunks this version's " \
+               "memory image does not have)" in out, out
+        with a.console(parcel) as console:
+            check_continues(console, second)
+        a.isr("suspend", parcel.name, "--no-checkin")
+        a.wait_session_end(parcel)
         assert "committed version 3" in a.isr("sync", parcel.name, "--keyfile", str(parcel.keyfile)).stdout
         info = a.stat(parcel)
         assert info["version"] == 3 and info["lock"] is not None and info["local"] is None

@@ -85,15 +85,28 @@ static json_t *op_status(Control *c) {
         return response;
 }
 
-/* One image's part of a hoard request: absent or "all" means everything, else a list of indices. */
+static bool is_all(json_t *value) {
+        return json_is_string(value) && strcmp(json_string_value(value), "all") == 0;
+}
+
+/* One image's part of a hoard request: absent or "all" means everything, an array a list of indices, and
+ * {"first": [...], "then": "all"} the list, then everything else. */
 static int hoard_target(json_t *value, HoardTarget *ret) {
         size_t i;
         json_t *item;
 
         memset(ret, 0, sizeof(*ret));
-        if (!value || (json_is_string(value) && strcmp(json_string_value(value), "all") == 0)) {
+        if (!value || is_all(value)) {
                 ret->all = true;
                 return 0;
+        }
+        if (json_is_object(value)) {
+                json_t *then = json_object_get(value, "then");
+
+                if (then && !is_all(then))
+                        return -EINVAL;
+                ret->all = then != NULL;
+                value = json_object_get(value, "first");
         }
         if (!json_is_array(value))
                 return -EINVAL;
@@ -115,10 +128,14 @@ static json_t *op_hoard(Control *c, json_t *request) {
         Hoard *h = daemon_hoard(c->daemon);
         HoardTarget targets[_DAEMON_IMAGE_MAX];
         bool lists = json_object_get(request, "disk") || json_object_get(request, "memory");
+        json_t *priority = json_object_get(request, "priority");
         int r = 0;
 
         if (!h)
                 return error_response("no server is configured");
+        if (priority && !(json_is_string(priority) && (strcmp(json_string_value(priority), "hoard") == 0 ||
+                                                       strcmp(json_string_value(priority), "idle") == 0)))
+                return error_response("\"priority\" must be \"hoard\" or \"idle\"");
         for (int i = 0; i < _DAEMON_IMAGE_MAX; i++) {
                 json_t *value = json_object_get(request, daemon_image_name((DaemonImage) i));
 
@@ -130,11 +147,13 @@ static json_t *op_hoard(Control *c, json_t *request) {
                 if (r < 0) {
                         for (int j = 0; j < i; j++)
                                 free(targets[j].indices);
-                        return error_response("\"%s\" must be \"all\" or an array of chunk indices",
+                        return error_response("\"%s\" must be \"all\", an array of chunk indices or "
+                                              "{\"first\": [...], \"then\": \"all\"}",
                                               daemon_image_name((DaemonImage) i));
                 }
         }
-        r = hoard_start(h, targets);
+        r = hoard_start(h, targets,
+                        priority && strcmp(json_string_value(priority), "idle") == 0 ? FETCH_IDLE : FETCH_HOARD);
         for (int i = 0; i < _DAEMON_IMAGE_MAX; i++)
                 free(targets[i].indices);
         if (r < 0)

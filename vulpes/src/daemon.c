@@ -133,7 +133,7 @@ int daemon_new(const DaemonConfig *config, Daemon **ret) {
 
         ImageSources sources = {
                 .cache = d->cache,
-                .lookaside = d->lookaside,
+                .lookaside = config->n_lookaside ? d->lookaside : NULL,   /* none: image.c may prefetch */
                 .fetcher = d->fetcher,
                 .stats = &d->stats,
                 .trace = d->trace,
@@ -306,10 +306,10 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
                 fetch_status(d->fetcher, &fs);
                 fprintf(f,
                         ",\"server\":true,\"offline\":%s,\"waiting\":%s,\"waiting_seconds\":%llu,\"queued_demand\":%u,"
-                        "\"queued_hoard\":%u,\"active\":%u,\"active_hoard\":%u,\"hoard_limit\":%u,"
+                        "\"queued_hoard\":%u,\"queued_idle\":%u,\"active\":%u,\"active_hoard\":%u,\"hoard_limit\":%u,"
                         "\"rtt_min_us\":%llu,\"rate\":%llu,\"uploads_queued\":%u,\"last_error\":",
                         fs.offline ? "true" : "false", fs.waiting ? "true" : "false", U(fs.waiting_seconds),
-                        fs.queued[FETCH_DEMAND], fs.queued[FETCH_HOARD], fs.active, fs.active_hoard, fs.hoard_limit,
+                        fs.queued[FETCH_DEMAND], fs.queued[FETCH_HOARD], fs.queued[FETCH_IDLE], fs.active, fs.active_hoard, fs.hoard_limit,
                         U(fs.rtt_min_us), U(fs.rate), fs.uploads);
                 json_string(f, fs.last_error);
         } else {

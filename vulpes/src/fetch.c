@@ -6,8 +6,11 @@
  * HTTP/2, every transfer is a stream on one connection.  Requests wait in one queue per priority; the
  * thread starts demand requests first, then uploads, and hoard requests only while fewer are running than
  * pace.c allows: about one bandwidth-delay product of them, so that a guest read, which is never held
- * back, also never waits behind more hoard bytes already on the link than that.  A GET for a tag that is
- * already queued or in flight gets the existing request's result (one transfer, many waiters).
+ * back, also never waits behind more hoard bytes already on the link than that.  Idle requests (what a
+ * session will likely need, streamed while the guest computes) start only when no demand request is
+ * queued or running and none has finished for a quiet period, so they fill the link's idle time and keep
+ * out of a guest's bursts of misses.  A GET for a tag that is already queued or in flight gets the
+ * existing request's result (one transfer, many waiters), and moves up to the highest priority asked.
  *
  * Failures are sorted into transient (cannot connect, timeout, reset, 5xx, 429, 408, 401 after re-reading
  * the token, TLS trouble) and definitive (404/410: the chunk exists nowhere; bytes that fail the tag check
@@ -45,6 +48,7 @@ enum {
         BACKOFF_INITIAL_MS = 100,
         CONNECT_TIMEOUT_S = 10,
         LOW_SPEED_TIME_S = 20,             /* a transfer that moves nothing this long is aborted and retried */
+        IDLE_QUIET_MIN_US = 50000,         /* idle requests wait this long after a demand request, and 4 RTTs */
         TOKEN_MAX = 4096,
         OBJECT_MAX = CHUNK_SIZE_MAX + CHUNK_OVERHEAD,
 };
@@ -58,6 +62,7 @@ typedef enum RequestKind {
 enum {
         QUEUE_DEMAND = FETCH_DEMAND,
         QUEUE_HOARD = FETCH_HOARD,
+        QUEUE_IDLE = FETCH_IDLE,
         QUEUE_UPLOAD,
         QUEUE_ACTIVE,
         _QUEUE_MAX,
@@ -111,7 +116,8 @@ struct Fetcher {
 
         pthread_mutex_t lock;
         List queues[_QUEUE_MAX];
-        unsigned active_hoard, active_upload;
+        unsigned active_demand, active_hoard, active_upload;   /* hoard: with idle ones */
+        uint64_t last_demand_us;           /* a demand request was queued or finished */
         Pace pace;                         /* how many hoard transfers may run (on the fetch thread) */
         bool offline;
         bool stopping;
@@ -526,11 +532,35 @@ bad_bytes:
         return 3;
 }
 
+/* The counter of running transfers r belongs to. */
+static unsigned *active_of(Fetcher *f, const Request *r) {
+        if (r->kind == REQUEST_PUT)
+                return &f->active_upload;
+        return r->priority == FETCH_DEMAND ? &f->active_demand : &f->active_hoard;
+}
+
+/* Whether idle requests may start: no demand request queued or running, and none for a quiet period (else
+ * *ret_wait_us is how long until there will have been). */
+static bool idle_may_start_locked(Fetcher *f, uint64_t now, uint64_t *ret_wait_us) {
+        uint64_t quiet = 4 * pace_rtt_min_us(&f->pace);
+
+        if (quiet < IDLE_QUIET_MIN_US)
+                quiet = IDLE_QUIET_MIN_US;
+        *ret_wait_us = UINT64_MAX;
+        if (f->queues[QUEUE_DEMAND].n || f->active_demand)
+                return false;
+        if (now < f->last_demand_us + quiet) {
+                *ret_wait_us = f->last_demand_us + quiet - now;
+                return false;
+        }
+        return true;
+}
+
 /* Starts every queued request that may start now; with the lock held.  Returns the µs until the next
  * backed-off request becomes ready (or a default poll interval). */
 static uint64_t start_ready_locked(Fetcher *f) {
-        uint64_t now = now_us(), next = 1000000;
-        static const int order[] = { QUEUE_DEMAND, QUEUE_UPLOAD, QUEUE_HOARD };
+        uint64_t now = now_us(), next = 1000000, wait;
+        static const int order[] = { QUEUE_DEMAND, QUEUE_UPLOAD, QUEUE_HOARD, QUEUE_IDLE };
         unsigned hoard_limit = pace_background_limit(&f->pace, now);
 
         if (f->offline)
@@ -538,12 +568,17 @@ static uint64_t start_ready_locked(Fetcher *f) {
         for (size_t q = 0; q < sizeof(order) / sizeof(order[0]); q++) {
                 Request *r = f->queues[order[q]].head;
 
+                if (order[q] == QUEUE_IDLE && r && !idle_may_start_locked(f, now, &wait)) {
+                        if (wait < next)
+                                next = wait;
+                        break;
+                }
                 while (r) {
                         Request *following = r->next;
 
                         if (f->queues[QUEUE_ACTIVE].n >= f->config.max_transfers)
                                 return next;
-                        if (order[q] == QUEUE_HOARD && f->active_hoard >= hoard_limit)
+                        if ((order[q] == QUEUE_HOARD || order[q] == QUEUE_IDLE) && f->active_hoard >= hoard_limit)
                                 break;
                         if (order[q] == QUEUE_UPLOAD && f->active_upload >= f->config.hoard_transfers)
                                 break;
@@ -560,10 +595,7 @@ static uint64_t start_ready_locked(Fetcher *f) {
                                 continue;
                         }
                         request_move(f, r, QUEUE_ACTIVE);
-                        if (r->kind == REQUEST_PUT)
-                                f->active_upload++;
-                        else if (r->priority == FETCH_HOARD)
-                                f->active_hoard++;
+                        (*active_of(f, r))++;
                         r = following;
                 }
         }
@@ -594,10 +626,9 @@ static void finished_transfers(Fetcher *f) {
                         pace_completed(&f->pace, now_us(), ttfb > 0 ? (uint64_t) ttfb : 0, r->body_len);
                 }
                 transfer_cleanup(f, r);
-                if (r->kind == REQUEST_PUT)
-                        f->active_upload--;
-                else if (r->priority == FETCH_HOARD)
-                        f->active_hoard--;
+                (*active_of(f, r))--;
+                if (r->kind == REQUEST_GET && r->priority == FETCH_DEMAND)
+                        f->last_demand_us = now_us();
                 if (done == 1) {
                         list_remove(&f->queues[QUEUE_ACTIVE], r);
                         if (r->waiting_since_us || f->outage_logged) {
@@ -794,13 +825,18 @@ int fetch_get(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority priori
                 w->next = r->waiters;
                 r->waiters = w;
                 if (priority < r->priority) {
-                        /* A guest now waits for what was a hoard request: it jumps the queue. */
-                        if (r->queue != QUEUE_ACTIVE)
+                        /* A guest now waits for what was a background request: it jumps the queue. */
+                        if (r->queue != QUEUE_ACTIVE) {
                                 request_move(f, r, (int) priority);
-                        else if (r->priority == FETCH_HOARD)
-                                f->active_hoard--;
-                        r->priority = priority;
+                                r->priority = priority;
+                        } else {
+                                (*active_of(f, r))--;
+                                r->priority = priority;
+                                (*active_of(f, r))++;
+                        }
                 }
+                if (priority == FETCH_DEMAND)
+                        f->last_demand_us = now_us();
                 pthread_mutex_unlock(&f->lock);
                 curl_multi_wakeup(f->multi);
                 return 0;
@@ -812,6 +848,8 @@ int fetch_get(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority priori
         }
         r->priority = priority;
         list_append(&f->queues[priority], r, (int) priority);
+        if (priority == FETCH_DEMAND)
+                f->last_demand_us = now_us();
         pthread_mutex_unlock(&f->lock);
         curl_multi_wakeup(f->multi);
         return 0;
@@ -924,6 +962,7 @@ void fetch_status(Fetcher *f, FetchStatus *ret) {
         ret->offline = f->offline;
         ret->queued[FETCH_DEMAND] = f->queues[QUEUE_DEMAND].n;
         ret->queued[FETCH_HOARD] = f->queues[QUEUE_HOARD].n;
+        ret->queued[FETCH_IDLE] = f->queues[QUEUE_IDLE].n;
         ret->active = f->queues[QUEUE_ACTIVE].n;
         ret->uploads = f->queues[QUEUE_UPLOAD].n + f->active_upload;
         for (int q = 0; q < _QUEUE_MAX; q++)

@@ -12,6 +12,7 @@
 typedef enum FetchPriority {
         FETCH_DEMAND,       /* a guest read is waiting */
         FETCH_HOARD,        /* background prefetch: only when no demand request is ready to start */
+        FETCH_IDLE,         /* background that waits until no guest has waited for a while (fetch.c) */
         _FETCH_PRIORITY_MAX,
 } FetchPriority;
 

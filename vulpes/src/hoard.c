@@ -40,6 +40,7 @@ struct Hoard {
         Fetcher *fetcher;
         char *state_path;
         unsigned window;
+        FetchPriority priority;
 
         pthread_mutex_t lock;
         pthread_cond_t cond;
@@ -73,7 +74,8 @@ static void targets_free(Target *targets, size_t n) {
 
 /* --- remembering the request ------------------------------------------------------------------------ */
 
-/* One line per image: "<name> all" or "<name> <idx> <idx> ...". */
+/* One line per image: "<name> all" or "<name> <idx> <idx> ..." (or both: the list first); "priority idle"
+ * for an idle request. */
 static int state_save(Hoard *h) {
         char *text = NULL;
         size_t len = 0;
@@ -83,6 +85,8 @@ static int state_save(Hoard *h) {
         f = open_memstream(&text, &len);
         if (!f)
                 return -ENOMEM;
+        if (h->priority == FETCH_IDLE)
+                fputs("priority idle\n", f);
         for (size_t i = 0; i < h->n_images; i++) {
                 fprintf(f, "%s", image_name(h->images[i]));
                 if (h->targets[i].all)
@@ -97,7 +101,7 @@ static int state_save(Hoard *h) {
         return r;
 }
 
-static int state_load(Hoard *h, Target **ret) {
+static int state_load(Hoard *h, Target **ret, FetchPriority *ret_priority) {
         uint8_t *data = NULL;
         size_t len = 0;
         Target *targets;
@@ -118,6 +122,11 @@ static int state_load(Hoard *h, Target **ret) {
                 char *word_save = NULL, *word = strtok_r(line, " ", &word_save);
                 Target *t = NULL;
 
+                if (word && strcmp(word, "priority") == 0) {
+                        word = strtok_r(NULL, " ", &word_save);
+                        *ret_priority = word && strcmp(word, "idle") == 0 ? FETCH_IDLE : FETCH_HOARD;
+                        continue;
+                }
                 for (size_t i = 0; word && i < h->n_images; i++)
                         if (strcmp(word, image_name(h->images[i])) == 0)
                                 t = &targets[i];
@@ -214,7 +223,7 @@ static int hoard_one(Hoard *h, Image *img, uint64_t idx) {
         }
         h->outstanding++;
         pthread_mutex_unlock(&h->lock);
-        r = fetch_get(h->fetcher, tag, FETCH_HOARD, on_fetched, p);
+        r = fetch_get(h->fetcher, tag, h->priority, on_fetched, p);
         if (r < 0) {
                 pthread_mutex_lock(&h->lock);
                 h->outstanding--;
@@ -248,12 +257,25 @@ static void *hoard_thread(void *userdata) {
                 Target *t = &h->targets[i];
                 Image *img = h->images[i];
 
+                uint8_t *listed = NULL;
+
                 for (size_t j = 0; j < t->n && r >= 0; j++)
                         if (t->indices[j] < image_chunk_count(img))
                                 r = hoard_one(h, img, t->indices[j]);
+                if (t->all && t->n) {
+                        /* The rest after the list: what the list had is done (and counted) already. */
+                        listed = calloc(image_chunk_count(img) / 8 + 1, 1);
+                        if (!listed)
+                                r = -ENOMEM;
+                        for (size_t j = 0; listed && j < t->n; j++)
+                                if (t->indices[j] < image_chunk_count(img))
+                                        listed[t->indices[j] / 8] |= (uint8_t) (1u << (t->indices[j] % 8));
+                }
                 if (t->all)
                         for (uint64_t idx = 0; idx < image_chunk_count(img) && r >= 0; idx++)
-                                r = hoard_one(h, img, idx);
+                                if (!listed || !(listed[idx / 8] & (1u << (idx % 8))))
+                                        r = hoard_one(h, img, idx);
+                free(listed);
         }
         pthread_mutex_lock(&h->lock);
         /* A stop does not wait for requests in flight (the server may be unreachable); their callbacks
@@ -273,7 +295,8 @@ static void *hoard_thread(void *userdata) {
         return NULL;
 }
 
-/* Totals, counted up front so that progress has a denominator; duplicates in a list count once each. */
+/* Totals, counted up front so that progress has a denominator; duplicates in a list count once each, and a
+ * list followed by everything else counts everything once. */
 static void totals(Hoard *h, Target *targets, uint64_t *ret_chunks, uint64_t *ret_bytes) {
         uint8_t tag[IMAGE_TAG_LEN];
 
@@ -281,7 +304,7 @@ static void totals(Hoard *h, Target *targets, uint64_t *ret_chunks, uint64_t *re
         for (size_t i = 0; i < h->n_images; i++) {
                 Image *img = h->images[i];
 
-                for (size_t j = 0; j < targets[i].n; j++)
+                for (size_t j = 0; j < targets[i].n && !targets[i].all; j++)
                         if (targets[i].indices[j] < image_chunk_count(img) &&
                             image_chunk_tag(img, targets[i].indices[j], tag) == 0) {
                                 (*ret_chunks)++;
@@ -310,12 +333,13 @@ static void join_locked(Hoard *h) {
 }
 
 /* Takes ownership of targets. */
-static int run(Hoard *h, Target *targets) {
+static int run(Hoard *h, Target *targets, FetchPriority priority) {
         uint64_t chunks, bytes;
         int r;
 
         pthread_mutex_lock(&h->lock);
         join_locked(h);
+        h->priority = priority;
         targets_free(h->targets, h->n_images);
         h->targets = targets;
         totals(h, targets, &chunks, &bytes);
@@ -337,7 +361,7 @@ static int run(Hoard *h, Target *targets) {
         return r;
 }
 
-int hoard_start(Hoard *h, const HoardTarget *requested) {
+int hoard_start(Hoard *h, const HoardTarget *requested, FetchPriority priority) {
         Target *targets = calloc(h->n_images, sizeof(*targets));
 
         if (!targets)
@@ -354,18 +378,19 @@ int hoard_start(Hoard *h, const HoardTarget *requested) {
                 memcpy(targets[i].indices, requested[i].indices, requested[i].n * sizeof(uint64_t));
                 targets[i].n = requested[i].n;
         }
-        return run(h, targets);
+        return run(h, targets, priority);
 }
 
 int hoard_resume(Hoard *h) {
+        FetchPriority priority = FETCH_HOARD;
         Target *targets = NULL;
         int r;
 
-        r = state_load(h, &targets);
+        r = state_load(h, &targets, &priority);
         if (r <= 0)
                 return r;
         log_info("continuing the hoard request in %s", h->state_path);
-        r = run(h, targets);
+        r = run(h, targets, priority);
         return r < 0 ? r : 1;
 }
 
@@ -419,6 +444,7 @@ int hoard_new(Image *const *images, size_t n_images, Cache *cache, Fetcher *fetc
         h->cache = cache;
         h->fetcher = fetcher;
         h->window = window ? window : 64;
+        h->priority = FETCH_HOARD;
         *ret = h;
         return 0;
 }

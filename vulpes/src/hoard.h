@@ -12,7 +12,7 @@
 
 typedef struct Hoard Hoard;
 
-/* What to hoard of one image: everything, or a list of chunk indices in priority order. */
+/* What to hoard of one image: a list of chunk indices in priority order, then (with all) everything else. */
 typedef struct HoardTarget {
         bool all;
         uint64_t *indices;             /* owned by the caller; copied by hoard_start() */
@@ -51,8 +51,9 @@ int hoard_new(Image *const *images, size_t n_images, Cache *cache, Fetcher *fetc
 void hoard_halt(Hoard *h);
 Hoard *hoard_free(Hoard *h);
 
-/* Starts hoarding targets[i] of images[i] (replacing a running request); parallel, below demand. */
-int hoard_start(Hoard *h, const HoardTarget *targets);
+/* Starts hoarding targets[i] of images[i] (replacing a running request); parallel, below demand, at
+ * priority FETCH_HOARD or FETCH_IDLE (only while no guest waits: fetch.c). */
+int hoard_start(Hoard *h, const HoardTarget *targets, FetchPriority priority);
 
 /* Continues a remembered request, if there is one: 1 if it did, 0 if there was none. */
 int hoard_resume(Hoard *h);

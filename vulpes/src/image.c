@@ -436,7 +436,8 @@ static void prefetch_done(int result, const uint8_t *object, size_t len, void *u
 static void prefetch(Image *img, const KeyringRecord *rec) {
         Prefetch *p;
 
-        if (!img->src.fetcher || !(p = malloc(sizeof(*p))))
+        /* With lookaside sources the reader tries them before the server: leave the chunk to it. */
+        if (!img->src.fetcher || img->src.lookaside || !(p = malloc(sizeof(*p))))
                 return;
         p->cache = img->src.cache;
         memcpy(p->tag, rec->tag, IMAGE_TAG_LEN);

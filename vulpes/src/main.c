@@ -319,7 +319,7 @@ int main(int argc, char *argv[]) {
         if (o.hoard && daemon_hoard(daemon)) {
                 HoardTarget all[_DAEMON_IMAGE_MAX] = { { .all = true }, { .all = true } };
 
-                r = hoard_start(daemon_hoard(daemon), all);
+                r = hoard_start(daemon_hoard(daemon), all, FETCH_HOARD);
         } else {
                 r = daemon_start_background(daemon);
         }
