@@ -117,6 +117,7 @@ struct Fetcher {
         pthread_mutex_t lock;
         List queues[_QUEUE_MAX];
         unsigned active_demand, active_hoard, active_upload;   /* hoard: with idle ones */
+        Request *completing;               /* out of the lists, its waiters being called (fetch thread) */
         uint64_t last_demand_us;           /* a demand request was queued or finished */
         Pace pace;                         /* how many hoard transfers may run (on the fetch thread) */
         bool offline;
@@ -169,12 +170,15 @@ static void request_move(Fetcher *f, Request *r, int queue) {
 }
 
 static Request *get_find(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN]) {
-        static const int searched[] = { QUEUE_DEMAND, QUEUE_HOARD, QUEUE_ACTIVE };
+        static const int searched[] = { QUEUE_DEMAND, QUEUE_HOARD, QUEUE_IDLE, QUEUE_ACTIVE };
+        Request *c = f->completing;
 
         for (size_t i = 0; i < sizeof(searched) / sizeof(searched[0]); i++)
                 for (Request *r = f->queues[searched[i]].head; r; r = r->next)
                         if (r->kind == REQUEST_GET && memcmp(r->tag, tag, FETCH_TAG_LEN) == 0)
                                 return r;
+        if (c && c->kind == REQUEST_GET && memcmp(c->tag, tag, FETCH_TAG_LEN) == 0)
+                return c;
         return NULL;
 }
 
@@ -369,9 +373,14 @@ static void transfer_cleanup(Fetcher *f, Request *r) {
         }
 }
 
-/* Takes r out of the lists and hands its result to every waiter; called without the lock held. */
+/*
+ * Hands the result of r, which is out of the lists, to every waiter, then frees it; called without the lock
+ * held.  Meanwhile r stays findable (get_find): a GET for its tag that comes while a waiter runs (a reader
+ * that missed the cache just before a fetch ahead stored the object there) joins it instead of fetching
+ * the object again, and is served here too.
+ */
 static void request_complete(Fetcher *f, Request *r, int result) {
-        Waiter *w;
+        Waiter *w, *next;
 
         if (r->kind == REQUEST_GET && result == 0) {
                 stats_add(&f->stats->fetches, 1);
@@ -381,9 +390,21 @@ static void request_complete(Fetcher *f, Request *r, int result) {
                 stats_add(&f->stats->uploads, 1);
                 stats_add(&f->stats->upload_bytes, r->body_len);
         }
-        for (w = r->waiters; w; w = w->next)
-                w->done(result, result == 0 && r->kind == REQUEST_GET ? r->body : NULL,
-                        result == 0 && r->kind == REQUEST_GET ? r->body_len : 0, w->userdata);
+        pthread_mutex_lock(&f->lock);
+        f->completing = r;
+        while ((w = r->waiters)) {
+                r->waiters = NULL;
+                pthread_mutex_unlock(&f->lock);
+                for (; w; w = next) {
+                        next = w->next;
+                        w->done(result, result == 0 && r->kind == REQUEST_GET ? r->body : NULL,
+                                result == 0 && r->kind == REQUEST_GET ? r->body_len : 0, w->userdata);
+                        free(w);
+                }
+                pthread_mutex_lock(&f->lock);
+        }
+        f->completing = NULL;
+        pthread_mutex_unlock(&f->lock);
         request_free(r);
 }
 
@@ -540,7 +561,7 @@ static unsigned *active_of(Fetcher *f, const Request *r) {
 }
 
 /* Whether idle requests may start: no demand request queued or running, and none for a quiet period (else
- * *ret_wait_us is how long until there will have been). */
+ * *ret_wait_us is how long until there will have been, UINT64_MAX while a guest waits). */
 static bool idle_may_start_locked(Fetcher *f, uint64_t now, uint64_t *ret_wait_us) {
         uint64_t quiet = 4 * pace_rtt_min_us(&f->pace);
 
@@ -556,12 +577,24 @@ static bool idle_may_start_locked(Fetcher *f, uint64_t now, uint64_t *ret_wait_u
         return true;
 }
 
+/* How many hoard and idle transfers may run: the pacer's window, but where that is at its floor (a link on
+ * which one object takes longer than the round trip) only one while a guest waits or just did, so that a
+ * miss queues behind one object at most; two keep such a link full when no guest needs it. */
+static unsigned background_limit_locked(Fetcher *f, uint64_t now) {
+        unsigned limit = pace_background_limit(&f->pace, now);
+        uint64_t wait;
+
+        if (limit <= PACE_MIN_TRANSFERS && !idle_may_start_locked(f, now, &wait))
+                return 1;
+        return limit;
+}
+
 /* Starts every queued request that may start now; with the lock held.  Returns the µs until the next
  * backed-off request becomes ready (or a default poll interval). */
 static uint64_t start_ready_locked(Fetcher *f) {
         uint64_t now = now_us(), next = 1000000, wait;
         static const int order[] = { QUEUE_DEMAND, QUEUE_UPLOAD, QUEUE_HOARD, QUEUE_IDLE };
-        unsigned hoard_limit = pace_background_limit(&f->pace, now);
+        unsigned hoard_limit = background_limit_locked(f, now);
 
         if (f->offline)
                 return next;
@@ -824,7 +857,7 @@ int fetch_get(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority priori
                 w->userdata = userdata;
                 w->next = r->waiters;
                 r->waiters = w;
-                if (priority < r->priority) {
+                if (priority < r->priority && r != f->completing) {
                         /* A guest now waits for what was a background request: it jumps the queue. */
                         if (r->queue != QUEUE_ACTIVE) {
                                 request_move(f, r, (int) priority);
@@ -972,7 +1005,7 @@ void fetch_status(Fetcher *f, FetchStatus *ret) {
         ret->waiting = oldest != 0 || (f->offline && (f->queues[QUEUE_DEMAND].n || f->queues[QUEUE_HOARD].n));
         ret->waiting_seconds = oldest ? (now - oldest) / 1000000u : 0;
         ret->active_hoard = f->active_hoard;
-        ret->hoard_limit = pace_background_limit(&f->pace, now);
+        ret->hoard_limit = background_limit_locked(f, now);
         ret->rtt_min_us = pace_rtt_min_us(&f->pace);
         ret->rate = pace_rate(&f->pace, now);
         snprintf(ret->last_error, sizeof(ret->last_error), "%s", f->last_error);

@@ -11,7 +11,7 @@
 
 enum {
         RATE_PERIOD_US = 1000000,        /* rate_max: the highest sample of the last second */
-        RTT_PERIOD_US = 30000000,        /* rtt_min: the lowest sample of the last 30 to 60 s */
+        RTT_PERIOD_US = 60000000,        /* rtt_min: one slot per minute, PACE_RTT_PERIODS of them */
         RATE_INTERVAL_MIN_US = 20000,    /* a rate sample spans at least this, and two round trips */
 };
 
@@ -25,11 +25,12 @@ void pace_delivered(Pace *p, size_t bytes) {
 }
 
 uint64_t pace_rtt_min_us(const Pace *p) {
-        uint64_t a = p->rtt_min_us[0], b = p->rtt_min_us[1];
+        uint64_t best = 0;
 
-        if (!a)
-                return b;
-        return b && b < a ? b : a;
+        for (unsigned k = 0; k < PACE_RTT_PERIODS; k++)
+                if (p->rtt_min_us[k] && (!best || p->rtt_min_us[k] < best))
+                        best = p->rtt_min_us[k];
+        return best;
 }
 
 /* The newest mark at least `interval` old, else the oldest one if it is a quarter of that old; NULL if none. */
@@ -50,13 +51,16 @@ void pace_completed(Pace *p, uint64_t now_us, uint64_t ttfb_us, size_t object_by
         uint64_t rtt, interval;
         const PaceMark *then;
 
-        if (now_us - p->rtt_period_start_us >= RTT_PERIOD_US) {
-                p->rtt_min_us[1] = p->rtt_min_us[0];
-                p->rtt_min_us[0] = 0;
-                p->rtt_period_start_us = now_us;
+        /* A new minute (or several): their slots start empty. */
+        for (unsigned k = 0; k < PACE_RTT_PERIODS && now_us - p->rtt_period_start_us >= RTT_PERIOD_US; k++) {
+                p->rtt_period = (p->rtt_period + 1) % PACE_RTT_PERIODS;
+                p->rtt_min_us[p->rtt_period] = 0;
+                p->rtt_period_start_us = k + 1 < PACE_RTT_PERIODS ? p->rtt_period_start_us + RTT_PERIOD_US : now_us;
         }
-        if (ttfb_us && (!p->rtt_min_us[0] || ttfb_us < p->rtt_min_us[0]))
-                p->rtt_min_us[0] = ttfb_us;
+        if (now_us - p->rtt_period_start_us >= RTT_PERIOD_US)
+                p->rtt_period_start_us = now_us;
+        if (ttfb_us && (!p->rtt_min_us[p->rtt_period] || ttfb_us < p->rtt_min_us[p->rtt_period]))
+                p->rtt_min_us[p->rtt_period] = ttfb_us;
         p->object_bytes = p->object_bytes > 0 ? p->object_bytes * 0.875 + (double) object_bytes * 0.125
                                               : (double) object_bytes;
 

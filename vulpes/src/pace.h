@@ -11,7 +11,8 @@
  *
  * The window is rate_max * (rtt_min + PACE_TARGET_US) bytes, where rate_max is the highest delivery rate
  * seen over the last second (all GET bytes, demand and hoard: they share the link) and rtt_min the lowest
- * time to first byte over the last minute; divided by the mean object size, at least PACE_MIN_TRANSFERS.
+ * time to first byte over the last ten minutes (LEDBAT's base delay: a long hoard keeps every sample
+ * queued, and a shorter memory would take that queue for the path); divided by the mean object size, at least PACE_MIN_TRANSFERS.
  * When the link is not yet full, the rate grows with the window and the window with the rate (by
  * (rtt_min + target) / rtt_min a round trip); once it is full the queue stays near PACE_TARGET_US.  Queued
  * bytes the window lets through are bytes a demand request waits behind, so a slow link runs at the
@@ -25,6 +26,7 @@ enum {
         PACE_TARGET_US = 25000,          /* queueing delay allowed beyond the round trip */
         PACE_RATE_SAMPLES = 64,
         PACE_DELIVERY_MARKS = 64,
+        PACE_RTT_PERIODS = 10,          /* rtt_min: the lowest of one sample per minute */
 };
 
 typedef struct PaceMark {
@@ -39,7 +41,8 @@ typedef struct Pace {
         unsigned n_marks, next_mark;
         PaceMark rates[PACE_RATE_SAMPLES];     /* (time, bytes/s) rate samples, a ring */
         unsigned n_rates, next_rate;
-        uint64_t rtt_min_us[2];         /* lowest time to first byte in this and the previous 30 s period */
+        uint64_t rtt_min_us[PACE_RTT_PERIODS];  /* lowest time to first byte per minute, a ring (0: none) */
+        unsigned rtt_period;                    /* the current minute's slot */
         uint64_t rtt_period_start_us;
         double object_bytes;            /* mean object size (moving average) */
 } Pace;

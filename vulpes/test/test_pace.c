@@ -127,10 +127,14 @@ static void test_cap_and_forgetting(void **state) {
         assert_int_equal(pace_background_limit(&p, link.free_at), 12);
         /* A second later the rate has no recent sample: back to the minimum until it is measured again. */
         assert_int_equal(pace_background_limit(&p, link.free_at + 2000000), PACE_MIN_TRANSFERS);
-        /* The round trip measured a minute and more ago is forgotten once newer ones come in. */
-        pace_completed(&p, link.free_at + 31000000, 80000, 60000);
-        pace_completed(&p, link.free_at + 62000000, 90000, 60000);
+        /* The round trip is the lowest of the last ten minutes: still the link's after nine, forgotten after
+         * eleven once newer samples came in. */
+        pace_completed(&p, link.free_at + 9 * 60000000ull, 80000, 60000);
+        assert_int_equal(pace_rtt_min_us(&p), 50000);
+        pace_completed(&p, link.free_at + 11 * 60000000ull, 90000, 60000);
         assert_int_equal(pace_rtt_min_us(&p), 80000);
+        pace_completed(&p, link.free_at + 30 * 60000000ull, 95000, 60000);
+        assert_int_equal(pace_rtt_min_us(&p), 95000);
 }
 
 int main(void) {
