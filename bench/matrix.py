@@ -168,6 +168,37 @@ def server_chunks(traces: Path, split: float) -> dict[str, dict[str, int]]:
     return counts
 
 
+#: Chunk sizes the page-level trace is folded to, to see what a smaller memory chunk size would fetch.
+TOUCH_CHUNK_SIZES = (4096, 16384, 32768, 65536, 131072)
+
+
+def touched(traces: Path, answered: float, finished: float) -> dict[str, dict[str, Any]]:
+    """What the resumed guest touched, per image, from vulpes's version-2 traces (byte ranges): the distinct
+    4 KiB pages until the guest answered (``before``) and during the workload (``workload``: from the answer to
+    ``finished``, pages not touched before), and for ``before`` how many chunks those pages fall in at each of
+    TOUCH_CHUNK_SIZES. A version-1 trace has no byte ranges: its images are left out."""
+    pages: dict[str, dict[str, set[int]]] = {}
+    for path in sorted(traces.glob("*.trace")):
+        for line in path.read_text(errors="replace").splitlines():
+            parts = line.split()
+            if line.startswith("#") or len(parts) != 7:
+                continue
+            when = float(parts[0])
+            phase = "before" if when < answered else "workload" if when < finished else None
+            if phase is None:
+                continue
+            offset, length = int(parts[5]), int(parts[6])
+            image = pages.setdefault(parts[1], {"before": set(), "workload": set()})
+            image[phase].update(range(offset // 4096, (offset + length - 1) // 4096 + 1))
+    out: dict[str, dict[str, Any]] = {}
+    for image, phases in pages.items():
+        before = phases["before"]
+        out[image] = {"before_pages": len(before), "workload_pages": len(phases["workload"] - before),
+                      "before_chunks": {str(size): len({p * 4096 // size for p in before})
+                                        for size in TOUCH_CHUNK_SIZES}}
+    return out
+
+
 # --- the local baseline -------------------------------------------------------------------------------------
 
 def local_baseline(guest: GuestArtifacts, work: Path, ram: int, timeout: float) -> tuple[dict[str, Any], Trace]:
@@ -299,6 +330,7 @@ def run_site_b(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, n
             started = time.monotonic()
             check_workload(console.run_workload(timeout=timeout), guest)
             result["workload_b_s"] = time.monotonic() - started
+            finished = time.time()
         result["t5_link_bytes"] = link.delta()[0]
         status = b.stat(parcel).get("session_status") or {}
         result["vulpes_fetched_bytes"] = int(status.get("vulpes", {}).get("fetch", {}).get("bytes", 0))
@@ -306,6 +338,7 @@ def run_site_b(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, n
         b.isr("suspend", parcel.name, "--no-checkin", timeout=timeout)
         b.wait_session_end(parcel, timeout=timeout)
         result["server_chunks"] = server_chunks(b.state_dir(parcel) / "traces", answered)
+        result["touched"] = touched(b.state_dir(parcel) / "traces", answered, finished)
     result["t4"] = number_after(r"resumed in ([0-9.]+) s", out)
     result["t4_phases"] = resume_phases(out)
     result["boot_file_bytes_b"] = boot_file_bytes(out)

@@ -28,6 +28,7 @@ MODEL = "isr: the policy model against the measurements"
 CHUNKS = "chunk size from the traces"
 SEEDS = "the seeds' figures beside ours"
 SPREAD = "isr: run-to-run spread"
+TOUCHED = "isr: what the resumed guest touches"
 
 
 # --- numbers to text ----------------------------------------------------------------------------------------
@@ -104,6 +105,8 @@ def sections(results: dict[str, Any]) -> dict[str, str]:
     out[THROUGHPUT] = throughput(results)
     if results["peers"] or results["meta"]["peers"]:
         out[PEERS] = peers(results)
+    if any(cell.get("touched") for cell in results["cells"]):
+        out[TOUCHED] = touched(results)
     out[MODEL] = model(results)
     out[CHUNKS] = chunk_table(results.get("chunk_sizes") or {})
     out[SEEDS] = seeds(results)
@@ -177,6 +180,46 @@ def fetched_before(cell: dict[str, Any]) -> str:
     if chunks is None:
         return DASH
     return " / ".join(str(chunks.get(image, {}).get("before", 0)) for image in ("memory", "disk"))
+
+
+def touched(results: dict[str, Any]) -> str:
+    """The memory pages the resumed guest touched (vulpes's page-level traces) against the chunks fetched for
+    them: the physical limit of a resume, and what smaller memory chunks would have moved."""
+    sizes = ["4096", "16384", "32768", "65536", "131072"]
+    parts = [
+        "What the guest at site B touched of its memory image, from vulpes's traces (version 2: the bytes of "
+        "each access; with the kernel's readahead off every page fault is one 4 KiB access): the distinct pages "
+        "until it first answered and the new ones during the workload, and how many chunks those pages fall in "
+        "at smaller chunk sizes. Bytes over the link are estimated at this cell's mean compression (the chunk "
+        "objects vulpes fetched, over their plaintext): the pages alone are the physical limit of the resume, "
+        "and its time at the link's goodput (plus a round trip) is the fastest any transfer of them could be.",
+        header(results),
+    ]
+    head = ["link", "policy", "RAM (MiB)", "guest answered (s)", "pages until it answered (MiB)",
+            "chunks fetched until then: memory (MiB)", "limit: those pages compressed (MiB; s at goodput)",
+            "new pages in the workload (MiB)"] + [f"chunks of {int(s) >> 10} KiB" for s in sizes]
+    rows = []
+    for cell in results["cells"]:
+        mem = (cell.get("touched") or {}).get("memory")
+        if not ok(cell) or not mem:
+            continue
+        chunks = sum(v.get("before", 0) + v.get("after", 0) for v in (cell.get("server_chunks") or {}).values())
+        fetched = cell.get("vulpes_fetched_bytes") or 0
+        compression = fetched / (chunks * 131072) if chunks else 1.0
+        limit = mem["before_pages"] * 4096 * compression
+        good = goodput(results, cell["rate"])
+        seconds = limit * 8 / (good * 1e6) + cell["rtt"] / 1000 if good else None
+        before = (cell.get("server_chunks") or {}).get("memory", {}).get("before", 0)
+        rows.append([link_name(cell["rate"], cell["rtt"]), cell["policy"], str(cell["ram"]),
+                     num(cell.get("t4_responsive")),
+                     f"{mem['before_pages']} ({mib(mem['before_pages'] * 4096)})",
+                     f"{before} ({mib(before * 131072 * compression)})",
+                     f"{mib(limit)}; {num(seconds)}",
+                     f"{mem['workload_pages']} ({mib(mem['workload_pages'] * 4096)})"]
+                    + [f"{mem['before_chunks'].get(s, 0)} ({mib(mem['before_chunks'].get(s, 0) * int(s) * compression)})"
+                       for s in sizes])
+    parts.append(table(head, rows))
+    return "\n\n".join(parts)
 
 
 def ram_sizes(results: dict[str, Any]) -> str:
