@@ -10,6 +10,7 @@ checkin throughput, the chunksim model's predictions and the seeds' own figures,
         [--peers qemu-curl,...|--no-peers] [--json FILE] [--no-update] [--timeout S] [--keep]
     .venv/bin/python bench/matrix.py --report FILE.json [--no-update]   # the sections again, from raw results
     .venv/bin/python bench/matrix.py --spread A.json B.json [--no-update]   # cells both runs measured
+    .venv/bin/python bench/matrix.py --compare BEFORE.json AFTER.json      # two versions of the code
 
 `./bootstrap bench ARGS` installs toxiproxy and nbdkit first, then runs this. Needs root. Not part of the
 test suite.
@@ -475,6 +476,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--spread", type=Path, nargs="+", metavar="JSON",
                         help="the cells every one of these runs measured, side by side (section "
                              f"'{matrix_report.SPREAD}')")
+    parser.add_argument("--compare", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="the cells two runs measured (of two versions of the code), before beside after "
+                             f"(section '{matrix_report.COMPARE}')")
     parser.add_argument("--report", type=Path, metavar="JSON",
                         help="measure nothing: write the sections from the raw results of an earlier run")
     parser.add_argument("--keep", action="store_true",
@@ -510,11 +514,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         report(json.loads(args.report.read_text()), not args.no_update)
         return 0
-    if args.spread:
-        body = matrix_report.spread([json.loads(path.read_text()) for path in args.spread])
-        print(f"\n## {matrix_report.SPREAD}\n\n{body}")
+    if args.spread or args.compare:
+        title = matrix_report.SPREAD if args.spread else matrix_report.COMPARE
+        runs = [json.loads(path.read_text()) for path in args.spread or args.compare]
+        body = matrix_report.spread(runs) if args.spread else matrix_report.compare(*runs)
+        print(f"\n## {title}\n\n{body}")
         if not args.no_update:
-            matrix_report.write({matrix_report.SPREAD: body})
+            matrix_report.write({title: body})
             say("BENCHMARKS.md updated")
         return 0
     command = "bench/matrix.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))

@@ -29,6 +29,7 @@ CHUNKS = "chunk size from the traces"
 SEEDS = "the seeds' figures beside ours"
 SPREAD = "isr: run-to-run spread"
 TOUCHED = "isr: what the resumed guest touches"
+COMPARE = "isr: before and after"
 
 
 # --- numbers to text ----------------------------------------------------------------------------------------
@@ -476,6 +477,45 @@ def seeds(results: dict[str, Any]) -> str:
 
 
 # --- several runs -------------------------------------------------------------------------------------------
+
+def compare(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """The cells both runs measured, before → after: resume, workload and what crossed the link, and the
+    checkin and hoard throughput of the same cells."""
+    def key(cell: dict[str, Any]) -> tuple[Any, ...]:
+        return (cell["rate"], cell["rtt"], cell["ram"], cell["policy"])
+
+    def pair(a: Any, b: Any, fmt: Any = num) -> str:
+        return f"{fmt(a)} → {fmt(b)}"
+
+    def fraction(run: dict[str, Any], nbytes: Any, seconds: Any, rate: float) -> str:
+        value, good = mbit(nbytes, seconds), goodput(run, rate)
+        return f"{value / good:.2f}" if value and good else DASH
+
+    cells = [({key(c): c for c in run["cells"] if ok(c)}) for run in (before, after)]
+    common = [k for k in cells[0] if k in cells[1]]
+    head = ["link", "RAM (MiB)", "policy", "t4: isr resume (s)", "guest answers (s)", "t5 workload (s)",
+            "slowdown vs local", "MiB to B in t4 + t5", "checkin ÷ goodput", "hoard ÷ goodput"]
+    rows = []
+    for k in common:
+        b, a = cells[0][k], cells[1][k]
+        slow = [c["workload_b_s"] / local if c.get("workload_b_s") and (local := local_workload(run, k[2])) else None
+                for c, run in ((b, before), (a, after))]
+        moved = [(c.get("t4_link_bytes") or 0) + (c.get("t5_link_bytes") or 0) for c in (b, a)]
+        checkin = [fraction(run, (c.get("site_a") or {}).get("checkin_link_bytes"),
+                            (c.get("site_a") or {}).get("checkin_s"), k[0]) for c, run in ((b, before), (a, after))]
+        hoard = [fraction(run, c.get("t3_link_bytes"), c.get("t3"), k[0]) if c["policy"] == "proactive" else DASH
+                 for c, run in ((b, before), (a, after))]
+        rows.append([link_name(k[0], k[1]), str(k[2]), k[3], pair(b.get("t4"), a.get("t4")),
+                     pair(b.get("t4_responsive"), a.get("t4_responsive")),
+                     pair(b.get("workload_b_s"), a.get("workload_b_s")),
+                     pair(slow[0], slow[1], lambda v: f"{v:.2f}×" if v else DASH), pair(moved[0], moved[1], mib),
+                     f"{checkin[0]} → {checkin[1]}", f"{hoard[0]} → {hoard[1]}"])
+    return ("Two runs of `bench/matrix.py` with the same options, one on the code before a change and one after, "
+            "each with its own local baseline and link goodput, one after the other on the same machine: each "
+            "cell's figure before → after. One trial each (see 'isr: run-to-run spread' for how far two trials "
+            "of a cell can differ).\n\n"
+            f"- before: {header(before)}\n- after: {header(after)}\n\n" + table(head, rows))
+
 
 def spread(runs: list[dict[str, Any]]) -> str:
     """The cells that every run measured, side by side: how far one trial of a cell is from another."""
