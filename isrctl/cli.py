@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import concurrent.futures
 import contextlib
 import dataclasses
 import getpass
@@ -702,19 +701,15 @@ def cmd_hoard(args: argparse.Namespace) -> int:
                                         manifest.images[image].size) as keyring:
                         keyring.put_many(records)
                 working_set = manifest.working_set
+            client.boot_blobs(state, manifest, parcel_keys, reporter)
             what = "the working set" if args.working_set else "everything"
             reporter.say(f"hoarding {what} of {parcel['name']} version {manifest.version}")
-            # The boot files cross the link while vulpes hoards the chunks: fetched (and opened) first, they
-            # kept the chunk transfer waiting, and a hoard at 100 Mbit/s +20 ms reached 0.77 of the link.
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="boot-files") as pool:
-                boot = pool.submit(client.boot_blobs, state, manifest, parcel_keys, reporter)
-                try:
-                    _hoard(hoard_dir, state, parcel_keys, client, reporter,
-                           working_set=working_set if args.working_set else None)
-                finally:
-                    if hoard_dir != state.dir:
-                        shutil.rmtree(hoard_dir, ignore_errors=True)
-                boot.result()
+            try:
+                _hoard(hoard_dir, state, parcel_keys, client, reporter,
+                       working_set=working_set if args.working_set else None)
+            finally:
+                if hoard_dir != state.dir:
+                    shutil.rmtree(hoard_dir, ignore_errors=True)
     return 0
 
 

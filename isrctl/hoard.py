@@ -20,7 +20,6 @@ transfer. `ServerInventory` and `KeylessHoarder` are what `schedule.Runner` plan
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import re
 import threading
@@ -138,40 +137,32 @@ def hoard(client: Client, parcel: dict[str, Any], mode: str, reporter: Reporter 
                  f"{len(wanted.chunks)} of {wanted.chunk_count} chunks and {len(wanted.blobs)} boot files missing "
                  f"({human_bytes(wanted.bytes)})")
     started = time.monotonic()
+    fetched = 0
     for name, source in wanted.links.items():
         link_file(source, state.version_blob_path(wanted.version, name))
-
-    def fetch_blobs() -> int:
-        fetched = 0
-        for name, size in wanted.blobs.items():
-            sealed = client.remote.get_blob(wanted.parcel, wanted.version, name)
-            if len(sealed) != size:
-                raise IsrError(f"the server sent {len(sealed)} bytes of blob {name} of version {wanted.version}, "
-                               f"not the {size} it lists: try again later")
-            write_file(state.version_blob_path(wanted.version, name), sealed)
-            fetched += len(sealed)
-            reporter.say(f"  fetched boot file {name} (sealed, {human_bytes(len(sealed))}); the next resume checks it")
-        return fetched
-
+    for name, size in wanted.blobs.items():
+        sealed = client.remote.get_blob(wanted.parcel, wanted.version, name)
+        if len(sealed) != size:
+            raise IsrError(f"the server sent {len(sealed)} bytes of blob {name} of version {wanted.version}, not "
+                           f"the {size} it lists: try again later")
+        write_file(state.version_blob_path(wanted.version, name), sealed)
+        fetched += len(sealed)
+        reporter.say(f"  fetched boot file {name} (sealed, {human_bytes(len(sealed))}); the next resume checks it")
     chunk_bytes = sum(size for _, size in wanted.chunks)
-    count = chunk_fetched = 0
-    # The boot files cross the link while the chunks do (one after the other, the link idled in between).
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="boot-files") as pool:
-        blobs = pool.submit(fetch_blobs)
-        if wanted.chunks:
-            config = client.config
-            fetch = fetch or ChunkFetch(cache_dir=paths.chunk_cache_dir(), server=config.server,
-                                        token_file=paths.token_file(), pin=config.pin, cache_limit=config.cache_limit,
-                                        log_path=paths.data_dir() / "hoard.log")
-            bar = reporter.progress("hoarding", chunk_bytes)
-            try:
-                result = fetch.run([tag for tag, _ in wanted.chunks],
-                                   progress=lambda line: bar.update(int(line.get("bytes", 0))))
-            finally:
-                bar.close()
-            chunk_fetched = result.bytes
-            count = result.fetched
-        fetched = blobs.result() + chunk_fetched
+    count = 0
+    if wanted.chunks:
+        config = client.config
+        fetch = fetch or ChunkFetch(cache_dir=paths.chunk_cache_dir(), server=config.server,
+                                    token_file=paths.token_file(), pin=config.pin, cache_limit=config.cache_limit,
+                                    log_path=paths.data_dir() / "hoard.log")
+        bar = reporter.progress("hoarding", chunk_bytes)
+        try:
+            result = fetch.run([tag for tag, _ in wanted.chunks],
+                               progress=lambda line: bar.update(int(line.get("bytes", 0))))
+        finally:
+            bar.close()
+        fetched += result.bytes
+        count = result.fetched
     _forget_older_blob_names(state, wanted.version)
     return HoardResult(wanted, count, fetched, time.monotonic() - started)
 
