@@ -48,7 +48,7 @@ enum {
         BACKOFF_INITIAL_MS = 100,
         CONNECT_TIMEOUT_S = 10,
         LOW_SPEED_TIME_S = 20,             /* a transfer that moves nothing this long is aborted and retried */
-        IDLE_QUIET_MIN_US = 50000,         /* idle requests wait this long after a demand request, and 4 RTTs */
+        IDLE_QUIET_MIN_US = 50000,         /* idle requests wait this long after a demand request, at least */
         TOKEN_MAX = 4096,
         OBJECT_MAX = CHUNK_SIZE_MAX + CHUNK_OVERHEAD,
 };
@@ -560,11 +560,18 @@ static unsigned *active_of(Fetcher *f, const Request *r) {
         return r->priority == FETCH_DEMAND ? &f->active_demand : &f->active_hoard;
 }
 
-/* Whether idle requests may start: no demand request queued or running, and none for a quiet period (else
- * *ret_wait_us is how long until there will have been, UINT64_MAX while a guest waits). */
+/*
+ * Whether idle requests may start: no demand request queued or running, and none for a quiet period (else
+ * *ret_wait_us is how long until there will have been, UINT64_MAX while a guest waits).  The period is four
+ * round trips, or four object transmission times where those are longer: an idle object on the link is
+ * that long a wait for the guest's next miss, so on a slow link only a guest that has not missed for a
+ * while (not one computing between misses) gets the link filled.
+ */
 static bool idle_may_start_locked(Fetcher *f, uint64_t now, uint64_t *ret_wait_us) {
-        uint64_t quiet = 4 * pace_rtt_min_us(&f->pace);
+        uint64_t quiet = 4 * pace_rtt_min_us(&f->pace), object = 4 * pace_object_time_us(&f->pace, now);
 
+        if (quiet < object)
+                quiet = object;
         if (quiet < IDLE_QUIET_MIN_US)
                 quiet = IDLE_QUIET_MIN_US;
         *ret_wait_us = UINT64_MAX;

@@ -94,6 +94,12 @@ uint64_t pace_rate(const Pace *p, uint64_t now_us) {
         return best;
 }
 
+uint64_t pace_object_time_us(const Pace *p, uint64_t now_us) {
+        uint64_t rate = pace_rate(p, now_us);
+
+        return rate ? (uint64_t) (p->object_bytes * 1e6 / (double) rate) : 0;
+}
+
 unsigned pace_background_limit(const Pace *p, uint64_t now_us) {
         uint64_t rate = pace_rate(p, now_us), rtt = pace_rtt_min_us(p);
         double window, n;

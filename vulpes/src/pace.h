@@ -61,3 +61,6 @@ unsigned pace_background_limit(const Pace *p, uint64_t now_us);
 /* The current estimates, for the status report (0 where nothing has been measured yet). */
 uint64_t pace_rtt_min_us(const Pace *p);
 uint64_t pace_rate(const Pace *p, uint64_t now_us);
+
+/* How long one object of the mean size takes on the link at the current rate, µs (0: not measured). */
+uint64_t pace_object_time_us(const Pace *p, uint64_t now_us);
