@@ -431,7 +431,7 @@ static void prefetch_done(int result, const uint8_t *object, size_t len, void *u
  * A chunk just after a sequential read is not in the cache: fetch it into the cache at hoard priority
  * (paced, behind every demand request), so that the reader finds it there or joins the transfer under way
  * (fetch.c moves it to demand priority).  Without this a cold sequential read waited one round trip per
- * chunk: the kernel's readahead is off (mount.c) and the guest's own is one request at a time.
+ * chunk: the kernel reads ahead little (mount.c) and the guest's own is one request at a time.
  */
 static void prefetch(Image *img, const KeyringRecord *rec) {
         Prefetch *p;

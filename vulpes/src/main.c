@@ -116,7 +116,7 @@ static void usage(const char *program) {
                "  --hoard-window=N       hoard requests in flight (default 64)\n"
                "  --max-threads=N        FUSE worker threads (default 64)\n"
                "  --kernel-readahead=KIB the kernel's readahead on the mount, which is also the read-around of\n"
-               "                         a page fault on the mapped memory image (default 0; at most 128)\n"
+               "                         a page fault on the mapped memory image (default 32; at most 128)\n"
                "  --log-level=LEVEL      error, warning, info (default), debug\n"
                "  -d, -o OPT             libfuse options\n",
                program);
@@ -252,7 +252,7 @@ static void options_free(Options *o) {
 int main(int argc, char *argv[]) {
         struct fuse_args args = FUSE_ARGS_INIT(argc, argv);
         Options o = { .key_fd = -1, .ram_cache_mib = 128, .flush_interval_ms = 5000, .max_transfers = 16,
-                      .hoard_window = 64, .max_threads = 64, .kernel_readahead_kib = 0 };
+                      .hoard_window = 64, .max_threads = 64, .kernel_readahead_kib = 32 };
         DaemonConfig config = { 0 };
         FuseOptions fuse_options = { 0 };
         Daemon *daemon = NULL;
