@@ -63,6 +63,7 @@ from vulpes_common import link_bandwidth, machine, today
 import matrix_report  # noqa: E402
 from isrctl.policy import POLICIES as ISR_POLICIES  # noqa: E402
 from parcels.guest import GuestArtifacts, booted_guest, build, copy_disk  # noqa: E402
+from parcels.keyring import Keyring  # noqa: E402
 from tests.isr_fixtures import IsrEnv, NetSite, Parcel, Site, shaped_namespaces, start_isr_env  # noqa: E402
 from tools.chunksim.capture import (data_ranges_at, read_qemu_log, scan_data_ranges,  # noqa: E402
                                     trace_arguments, window)
@@ -171,6 +172,20 @@ def server_chunks(traces: Path, split: float) -> dict[str, dict[str, int]]:
 
 #: Chunk sizes the page-level trace is folded to, to see what a smaller memory chunk size would fetch.
 TOUCH_CHUNK_SIZES = (4096, 16384, 32768, 65536, 131072)
+
+
+def memory_compression(keyring: Path, store: Path) -> float | None:
+    """The stored bytes of the memory image's chunk objects over their plaintext (the site's local keyring
+    names each chunk's object; the server's directory store has it), or None if there are none."""
+    stored = plain = 0
+    with Keyring.open(keyring) as records:
+        chunk_size = records.chunk_size
+        for record in records:
+            path = store / "chunks" / record.tag.hex()[:2] / record.tag.hex()[2:4] / record.tag.hex()
+            if path.exists():
+                stored += path.stat().st_size
+                plain += chunk_size
+    return stored / plain if plain else None
 
 
 def touched(traces: Path, answered: float, finished: float) -> dict[str, dict[str, Any]]:
@@ -340,6 +355,9 @@ def run_site_b(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, n
         b.wait_session_end(parcel, timeout=timeout)
         result["server_chunks"] = server_chunks(b.state_dir(parcel) / "traces", answered)
         result["touched"] = touched(b.state_dir(parcel) / "traces", answered, finished)
+        if "memory" in result["touched"]:
+            result["touched"]["memory"]["compression"] = memory_compression(
+                b.state_dir(parcel) / "keyring.memory", env.store)
     result["t4"] = number_after(r"resumed in ([0-9.]+) s", out)
     result["t4_phases"] = resume_phases(out)
     result["boot_file_bytes_b"] = boot_file_bytes(out)

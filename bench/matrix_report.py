@@ -191,33 +191,30 @@ def touched(results: dict[str, Any]) -> str:
         "What the guest at site B touched of its memory image, from vulpes's traces (version 2: the bytes of "
         "each access; with the kernel's readahead off every page fault is one 4 KiB access): the distinct pages "
         "until it first answered and the new ones during the workload, and how many chunks those pages fall in "
-        "at smaller chunk sizes. Bytes over the link are estimated at this cell's mean compression (the chunk "
-        "objects vulpes fetched, over their plaintext): the pages alone are the physical limit of the resume, "
-        "and its time at the link's goodput (plus a round trip) is the fastest any transfer of them could be.",
+        "at smaller chunk sizes (MiB: their plaintext). The pages alone are the physical limit of the resume: "
+        "compressed at the memory image's mean ratio (its stored chunk objects over their plaintext), and "
+        "their time at the link's goodput plus a round trip, the fastest any transfer of them could be.",
         header(results),
     ]
     head = ["link", "policy", "RAM (MiB)", "guest answered (s)", "pages until it answered (MiB)",
-            "chunks fetched until then: memory (MiB)", "limit: those pages compressed (MiB; s at goodput)",
-            "new pages in the workload (MiB)"] + [f"chunks of {int(s) >> 10} KiB" for s in sizes]
+            "memory chunks fetched from the server until then", "limit: those pages compressed (MiB; s at goodput)",
+            "new pages in the workload (MiB)"] + [f"chunks of {int(s) >> 10} KiB (MiB)" for s in sizes]
     rows = []
     for cell in results["cells"]:
         mem = (cell.get("touched") or {}).get("memory")
         if not ok(cell) or not mem:
             continue
-        chunks = sum(v.get("before", 0) + v.get("after", 0) for v in (cell.get("server_chunks") or {}).values())
-        fetched = cell.get("vulpes_fetched_bytes") or 0
-        compression = fetched / (chunks * 131072) if chunks else 1.0
-        limit = mem["before_pages"] * 4096 * compression
+        compression = mem.get("compression")
+        limit = mem["before_pages"] * 4096 * compression if compression else None
         good = goodput(results, cell["rate"])
-        seconds = limit * 8 / (good * 1e6) + cell["rtt"] / 1000 if good else None
+        seconds = limit * 8 / (good * 1e6) + cell["rtt"] / 1000 if good and limit else None
         before = (cell.get("server_chunks") or {}).get("memory", {}).get("before", 0)
         rows.append([link_name(cell["rate"], cell["rtt"]), cell["policy"], str(cell["ram"]),
                      num(cell.get("t4_responsive")),
-                     f"{mem['before_pages']} ({mib(mem['before_pages'] * 4096)})",
-                     f"{before} ({mib(before * 131072 * compression)})",
-                     f"{mib(limit)}; {num(seconds)}",
+                     f"{mem['before_pages']} ({mib(mem['before_pages'] * 4096)})", str(before),
+                     f"{mib(limit)}; {num(seconds)}" if limit else DASH,
                      f"{mem['workload_pages']} ({mib(mem['workload_pages'] * 4096)})"]
-                    + [f"{mem['before_chunks'].get(s, 0)} ({mib(mem['before_chunks'].get(s, 0) * int(s) * compression)})"
+                    + [f"{mem['before_chunks'].get(s, 0)} ({mib(mem['before_chunks'].get(s, 0) * int(s))})"
                        for s in sizes])
     parts.append(table(head, rows))
     return "\n\n".join(parts)
