@@ -294,11 +294,11 @@ def test_errors_are_one_line(server_env: ServerEnv, tmp_path: Path) -> None:
     assert str(password) in result.stderr and "UTF-8" in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("server_env", ["postgres-s3"], indirect=True)   # an S3 store only, not skipped
 def test_missing_s3_bucket_is_named_with_how_to_create_it(server_env: ServerEnv, tmp_path: Path) -> None:
     """A store.bucket that does not exist (a typo, or never made): isr-server and isr-admin say which bucket
     at which endpoint, and how to create it, in one line."""
-    if server_env.settings.get("store.backend") != "s3":
-        pytest.skip("an S3 store only")
+    assert server_env.settings.get("store.backend") == "s3"
     missing = f"isr-missing-{uuid.uuid4().hex[:8]}"
     endpoint = server_env.settings["store.endpoint"]
     disk = tmp_path / "disk.raw"
