@@ -7,7 +7,7 @@
    shaped link (tbf), log in with the server's pinned certificate.
 3. Site A resumes the parcel (it boots: version 1 is powered off), runs the guest's workload, leaves a
    RAM-only token, and suspends: a new version is checked in.
-4. Site B resumes it with pure demand fetch: the guest continues exactly where it stopped (the counter in
+4. Site B resumes it with demand fetch: the guest continues exactly where it stopped (the counter in
    its RAM goes on, the token is still in RAM, the workload's files are on its disk). B suspends too.
 
 Without network namespaces (not root), both sites use loopback. Run: `python -m isrctl.demo [--keep DIR]`.
@@ -339,7 +339,7 @@ def _run_sites(workdir: Path, guest: Any, server: Server, sites: list[Site]) -> 
             site_b.wait_session_end()
         _quote(site_b.isr("ls", "-l"))
         if match:
-            _say(f"\nResume latency at site B (t4, pure demand-fetch): {match.group(1)} s.")
+            _say(f"\nResume latency at site B (t4, demand fetch): {match.group(1)} s.")
     _say("\nDone. Next: isr hoard and --policy proactive make the resume instant; see doc/isrctl.md.")
 
 
