@@ -64,6 +64,7 @@ import matrix_report  # noqa: E402
 from isrctl.policy import POLICIES as ISR_POLICIES  # noqa: E402
 from parcels.guest import GuestArtifacts, booted_guest, build, copy_disk  # noqa: E402
 from parcels.keyring import Keyring  # noqa: E402
+from parcels.store import DirStore  # noqa: E402
 from tests.isr_fixtures import IsrEnv, NetSite, Parcel, Site, shaped_namespaces, start_isr_env  # noqa: E402
 from tools.chunksim.capture import (data_ranges_at, read_qemu_log, scan_data_ranges,  # noqa: E402
                                     trace_arguments, window)
@@ -178,10 +179,11 @@ def memory_compression(keyring: Path, store: Path) -> float | None:
     """The stored bytes of the memory image's chunk objects over their plaintext (the site's local keyring
     names each chunk's object; the server's directory store has it), or None if there are none."""
     stored = plain = 0
+    objects = DirStore(store)
     with Keyring.open(keyring) as records:
         chunk_size = records.chunk_size
         for record in records:
-            path = store / "chunks" / record.tag.hex()[:2] / record.tag.hex()[2:4] / record.tag.hex()
+            path = objects.chunk_path(record.tag)
             if path.exists():
                 stored += path.stat().st_size
                 plain += chunk_size

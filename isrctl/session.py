@@ -342,9 +342,6 @@ class Session:
         self.trace_path: Path | None = None
         self.vnc_text = "none"
         self._vnc: str | None = None
-        #: QEMU runs without the parcel's boot files (a resume): a guest reset ends it, and the session
-        #: starts the guest again with them (`_boot_after_reset`).
-        self._without_boot_files = False
         self.host: compat.HostQemu | None = None
         # SimpleQueue.put is reentrant: a signal handler may call it.
         self.requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
@@ -618,7 +615,6 @@ class Session:
                 fd, initrd = _memfd("initrd", boot[vm.boot.initrd])
                 self._memfds.append(fd)
             cmdline = vm.boot.cmdline
-        self._without_boot_files = vm.boot is not None and boot is None
         if self._vnc is None and vm.devices.get("display", "vnc") == "vnc":
             choice = self.options.vnc
             if choice == "auto":
@@ -637,7 +633,10 @@ class Session:
                 accel = "tcg"
         return VMConfig(disk=self.vulpes.disk, disk_cache="writeback", kernel=kernel, initrd=initrd, cmdline=cmdline,
                         machine=vm.machine, cpu=vm.cpu, memory_mib=vm.ram_mib, smp=vm.smp, accel=accel,
-                        memory_file=self.vulpes.memory, vnc=vnc, reset_exits=self._without_boot_files)
+                        memory_file=self.vulpes.memory, vnc=vnc,
+                        # Without the boot files (a resume) a reset could not boot again: it ends QEMU, and
+                        # the session starts the guest again with them (`_boot_after_reset`).
+                        reset_exits=vm.boot is not None and boot is None)
 
     def _launch(self, manifest: Manifest, boot: dict[str, bytes] | None, *, incoming: bool) -> None:
         """Start a QEMU for the VM (paused), and relay its console (to the clients already attached, if any)."""
@@ -796,7 +795,7 @@ class Session:
                     self._crashed(f"vulpes exited (code {self.vulpes.proc.returncode if self.vulpes.proc else '?'})")
                 elif not self.vm.is_running():
                     code = self.vm.wait(5)
-                    if code == 0 and self._without_boot_files and self.vm.shutdown_reason == "guest-reset":
+                    if code == 0 and self.vm.config.reset_exits and self.vm.shutdown_reason == "guest-reset":
                         self._boot_after_reset()
                     elif code == 0:
                         self.reporter.say("the guest powered itself off")
