@@ -62,7 +62,7 @@ from vulpes_common import link_bandwidth, machine, today
 
 import matrix_report  # noqa: E402
 from isrctl.policy import POLICIES as ISR_POLICIES  # noqa: E402
-from parcels.guest import GuestArtifacts, booted_guest, build, copy_disk  # noqa: E402
+from tools.guest import GuestArtifacts, booted_guest, build, copy_disk  # noqa: E402
 from parcels.keyring import Keyring  # noqa: E402
 from parcels.store import DirStore  # noqa: E402
 from tests.isr_fixtures import IsrEnv, NetSite, Parcel, Site, shaped_namespaces, start_isr_env  # noqa: E402

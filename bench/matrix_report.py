@@ -131,7 +131,7 @@ def timeline(results: dict[str, Any]) -> str:
         "isr-server, two sites in network namespaces behind veth links shaped with tbf to the link rate both "
         "ways, and between each site and the server a toxiproxy proxy that adds the round-trip time (RTT +N ms; "
         "the kernel here has no netem, so the delay is added to the data in user space and TCP's own round trip "
-        "stays short). The test guest (`parcels.guest` small: TCG, one vCPU, RAM in vulpes's memory image) runs "
+        "stays short). The test guest (`tools.guest` small: TCG, one vCPU, RAM in vulpes's memory image) runs "
         "`run.sh`. Site A resumes a fresh parcel (a cold boot with demand fetch), runs the workload, suspends and "
         "checks in (t2: `isr suspend` until the version is committed; in parentheses when the state was safe at "
         "A). For each policy a fresh site B with an empty cache hoards if the policy wants it (t3: `isr hoard`), "

@@ -9,7 +9,7 @@ toxiproxy proxy on the host's end of the link that adds the round-trip time (ben
 table. Needs root.
 
 The origin is nginx-light in the host's network namespace (bench/nginx_origin.py: HTTPS with a throwaway
-self-signed certificate, HTTP/1.1, byte ranges) serving, from the test guest (`parcels.guest`):
+self-signed certificate, HTTP/1.1, byte ranges) serving, from the test guest (`tools.guest`):
 
 - ``disk.raw``: the raw data disk (byte ranges), and ``disk.qcow2``, the same disk as a qcow2 image (which
   qemu-curl and nbdkit-curl read instead with ``image="qcow2"``, ``--image qcow2``);
@@ -67,7 +67,7 @@ from vulpes_common import table  # noqa: E402  (also puts the repository on sys.
 
 from isrctl.errors import IsrError  # noqa: E402
 from parcels.compress import DEFAULT_LEVEL  # noqa: E402
-from parcels.guest import GuestArtifacts, GuestError, booted_guest, build  # noqa: E402
+from tools.guest import GuestArtifacts, GuestError, booted_guest, build  # noqa: E402
 from tests.isr_fixtures import NetSite, shaped_namespaces  # noqa: E402
 from tests.vulpes_fixtures import make_certificate  # noqa: E402
 

@@ -12,7 +12,7 @@ the isr-server's certificate, byte ranges). Then, for each rate (0: unshaped):
 - curl: QEMU's https block driver on nginx's URL (readahead 256 KiB, sslverify=off, snapshot=on so that
   the guest can write).
 
-Measured: the time from starting QEMU to the guest's ready marker (`parcels.guest.booted_guest`; the
+Measured: the time from starting QEMU to the guest's ready marker (`tools.guest.booted_guest`; the
 kernel and initramfs are local files, so a boot reads little of the disk), then the guest's workload, which
 reads every source file on its disk; and the bytes that crossed the link for the disk (vulpes: chunk objects
 fetched; curl: nginx's access log).
@@ -32,7 +32,7 @@ from nginx_origin import Nginx
 from vulpes_common import (NETNS, NS_ADDR, REPO, machine, netns, shape, start_server, table, today,
                            update_section)
 
-from parcels.guest import booted_guest, build  # noqa: E402
+from tools.guest import booted_guest, build  # noqa: E402
 from tests.vulpes_fixtures import Vulpes, make_state  # noqa: E402
 
 MIB = 1 << 20
@@ -135,7 +135,7 @@ def main() -> None:
     if failures:
         out += "\n\nQEMU curl driver failures (counted as nan):\n\n" + "\n".join(f"- {f}" for f in failures)
     print(out)
-    body = f"""Cold boot of the test guest (`parcels.guest` "small": Debian cloud kernel, busybox initramfs, 256 MiB
+    body = f"""Cold boot of the test guest (`tools.guest` "small": Debian cloud kernel, busybox initramfs, 256 MiB
 ext4 data disk; TCG, 256 MiB RAM) until its ready marker, then its workload (reads every source file on
 the disk and checks the digest), measured by `bench/vulpes_boot.py`. The disk comes
 over a tbf-shaped veth link from a network namespace, either through vulpes (empty cache; chunks from a real

@@ -1,11 +1,11 @@
-"""Fixtures and helpers for tests that boot the real test guest (parcels.guest) under QEMU.
+"""Fixtures and helpers for tests that boot the real test guest (tools.guest) under QEMU.
 
 Import the fixtures into a test module with::
 
     from tests.guest_fixtures import guest_artifacts, guest_disk  # noqa: F401  (pytest fixtures)
 
 and boot any disk image (a copy of the built one, or an image extracted from a parcel) with
-`parcels.guest.booted_guest(guest_artifacts, disk, run_dir=tmp_path)`. Logs (QEMU output, console
+`tools.guest.booted_guest(guest_artifacts, disk, run_dir=tmp_path)`. Logs (QEMU output, console
 transcript) land in the test's ``tmp_path``.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from parcels.guest import GuestArtifacts, GuestBuildError, build, copy_disk
+from tools.guest import GuestArtifacts, GuestBuildError, build, copy_disk
 from tests.conftest import wait_until as _wait_until
 
 

@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 
 from parcels import parcel as parcel_ops
-from parcels.guest import GuestArtifacts, GuestConsole, check_ext4
-from parcels.guest.boot import KERNEL_CMDLINE
+from tools.guest import GuestArtifacts, GuestConsole, check_ext4
+from tools.guest.boot import KERNEL_CMDLINE
 from parcels.store import DirStore
 from tests.server_fixtures import PASSWORDS, BIN, ServerEnv, start_env
 

@@ -1,4 +1,4 @@
-"""README command 1 runs `python -m isrctl.demo`: it must keep working as the project grows."""
+"""README command 1 runs `python -m tools.demo`: it must keep working as the project grows."""
 from __future__ import annotations
 
 import subprocess
@@ -11,7 +11,7 @@ from tests.conftest import SOURCE_DIR
 
 @pytest.mark.timeout(600)
 def test_demo_runs_to_the_end() -> None:
-    proc = subprocess.run([sys.executable, "-m", "isrctl.demo"], cwd=SOURCE_DIR, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "tools.demo"], cwd=SOURCE_DIR, capture_output=True,
                           text=True, timeout=540)
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout}\n{proc.stderr}"
     assert "digest matches the one computed on the host" in proc.stdout

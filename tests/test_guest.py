@@ -20,7 +20,7 @@ import pytest
 
 from isrctl.errors import IsrError, VMError, VMLaunchError
 from isrctl.qemu import VM, VMConfig
-from parcels.guest import GuestArtifacts, GuestConsole, booted_guest, check_ext4, guest_config, resumed_guest
+from tools.guest import GuestArtifacts, GuestConsole, booted_guest, check_ext4, guest_config, resumed_guest
 from tests.guest_fixtures import guest_artifacts, guest_disk, wait_until  # noqa: F401  (pytest fixtures)
 
 pytestmark = pytest.mark.timeout(180)
@@ -255,7 +255,7 @@ def test_poweroff_request_is_sent_again_when_the_agent_garbles_it() -> None:
 
 def test_a_lost_request_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """A request line that vanished on the serial line (no reply at all) is sent again with the same id."""
-    monkeypatch.setattr("parcels.guest.console._RESEND_AFTER", 0.5)
+    monkeypatch.setattr("tools.guest.console._RESEND_AFTER", 0.5)
     host, guest = socket.socketpair()
     lines: list[str] = []
 

@@ -15,8 +15,8 @@ import pytest
 
 from parcels import parcel as parcel_ops
 from parcels.envelope import new_keyfile
-from parcels.guest import GuestArtifacts, booted_guest, check_ext4
-from parcels.guest.boot import KERNEL_CMDLINE
+from tools.guest import GuestArtifacts, booted_guest, check_ext4
+from tools.guest.boot import KERNEL_CMDLINE
 from parcels.store import DirStore
 from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
 

@@ -770,7 +770,7 @@ def test_pinned_key_and_cache_index_rebuild(vulpes_binary: Path, tmp_path: Path)
 def test_guest_boots_from_vulpes(vulpes_binary: Path, isr_server: IsrServer, guest_artifacts, tmp_path: Path) -> None:
     """The real test guest with its disk and its RAM (memory-backend-file, share=on) both on vulpes, every
     disk chunk fetched from the real isr-server on demand; then ext4 is clean through vulpes."""
-    from parcels.guest import booted_guest
+    from tools.guest import booted_guest
 
     state = make_state(tmp_path / "state", Path(guest_artifacts.disk), 256 * MIB)
     state.publish(isr_server.store)

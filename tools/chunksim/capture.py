@@ -1,4 +1,4 @@
-"""Capture a block-access trace from the real test guest (`parcels.guest`) running one workload.
+"""Capture a block-access trace from the real test guest (`tools.guest`) running one workload.
 
 QEMU logs every block request the guest's virtio disk makes when started with the trace events
 ``blk_co_preadv`` and ``blk_co_pwritev`` enabled (log back end, ``-D FILE``, ``-msg timestamp=on``)::
@@ -21,7 +21,7 @@ page), served by vulpes with RAM on MOUNT/memory, traced by vulpes itself from t
 (`vulpes_accesses`), with both images' sizes and data (``image_size.<image>``, ``data_ranges.<image>``) in
 the metadata.
 
-Workloads (scripts on the guest's disk, ``parcels/guest/files/``):
+Workloads (scripts on the guest's disk, ``tools/guest/files/``):
 
 ``boot``    through vulpes, disk and memory images: from the mount to ready, ``idle`` seconds of doing
             nothing, then the suspend's part (VM stopped, RAM and disk written back through vulpes)
@@ -57,7 +57,7 @@ from .errors import CaptureError
 from .trace import READ, WRITE, Access, Trace, format_ranges, read_trace, write_trace
 
 if TYPE_CHECKING:
-    from parcels.guest import GuestArtifacts
+    from tools.guest import GuestArtifacts
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def capture(workload: str, dest: Path, *, variant: str = "big", think: float | N
     """
     # Imported here: the simulator itself must not need the guest builder or QEMU.
     from isrctl.errors import IsrError
-    from parcels.guest import GuestError, booted_guest, build, copy_disk
+    from tools.guest import GuestError, booted_guest, build, copy_disk
 
     if workload not in WORKLOADS:
         raise CaptureError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
@@ -308,7 +308,7 @@ def _capture_boot(artifacts: GuestArtifacts, dest: Path, *, idle: float, chunk_s
     from isrctl.vulpes import Vulpes
     from parcels import parcel as parcel_ops
     from parcels.errors import ParcelError
-    from parcels.guest import GuestError, booted_guest
+    from tools.guest import GuestError, booted_guest
     from parcels.keyring import Keyring
     from parcels.store import DirStore
 

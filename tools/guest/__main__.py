@@ -1,8 +1,8 @@
-"""``python -m parcels.guest``: build the test guest, say where it is, or boot it.
+"""``python -m tools.guest``: build the test guest, say where it is, or boot it.
 
-    python -m parcels.guest build [--variant small|big] [--force]
-    python -m parcels.guest path  [--variant small|big]          # JSON: kernel, initrd, disk, expected, ...
-    python -m parcels.guest boot  [--variant V] [--disk IMG] [--workload] [-c CMD]... [--accel tcg|kvm]
+    python -m tools.guest build [--variant small|big] [--force]
+    python -m tools.guest path  [--variant small|big]          # JSON: kernel, initrd, disk, expected, ...
+    python -m tools.guest boot  [--variant V] [--disk IMG] [--workload] [-c CMD]... [--accel tcg|kvm]
 
 ``boot`` boots a throwaway copy of the variant's disk (or ``--disk IMG`` itself), runs the workload and/or
 the commands given with ``-c``, or else reads command lines from stdin, and powers the guest off.
@@ -25,11 +25,11 @@ from .build import DEFAULT_VARIANT, VARIANTS, build
 from .disk import copy_disk
 from .errors import GuestError
 
-log = logging.getLogger("parcels.guest")
+log = logging.getLogger("tools.guest")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parcels.guest", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.guest", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="action", required=True)
     for action, text in (("build", "build the guest (unless cached)"),
                          ("path", "print the artifacts' paths as JSON (building if needed)"),
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             return _boot(args)
     except (GuestError, IsrError) as exc:
-        print(f"python -m parcels.guest: {exc}", file=sys.stderr)
+        print(f"python -m tools.guest: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -1,6 +1,6 @@
 """The ISR test guest: a small real Linux VM for tests and benchmarks, built from Debian packages.
 
-``python -m parcels.guest build|path|boot`` builds it (cached), prints where it is, or boots it.
+``python -m tools.guest build|path|boot`` builds it (cached), prints where it is, or boots it.
 
 - `build` (`build.build`, `GuestArtifacts`): kernel, initramfs and ext4 data disk, cached by content key.
 - `boot` (`booted_guest`, `resumed_guest`, `guest_config`): run it under QEMU from any disk image (or

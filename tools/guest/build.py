@@ -82,7 +82,7 @@ class GuestArtifacts:
     directory: Path
     kernel: Path
     initrd: Path
-    #: The pristine data disk; boot a copy of it (see `parcels.guest.disk.copy_disk`), never this file.
+    #: The pristine data disk; boot a copy of it (see `tools.guest.disk.copy_disk`), never this file.
     disk: Path
     archive: Path
     expected: WorkloadExpectation

@@ -10,7 +10,7 @@
 4. Site B resumes it with demand fetch: the guest continues exactly where it stopped (the counter in
    its RAM goes on, the token is still in RAM, the workload's files are on its disk). B suspends too.
 
-Without network namespaces (not root), both sites use loopback. Run: `python -m isrctl.demo [--keep DIR]`.
+Without network namespaces (not root), both sites use loopback. Run: `python -m tools.demo [--keep DIR]`.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ from typing import Any
 
 from isrctl.errors import IsrError
 from parcels.errors import ParcelError
-from parcels.guest import GuestConsole, build
-from parcels.guest.boot import KERNEL_CMDLINE
+from tools.guest import GuestConsole, GuestError, build
+from tools.guest.boot import KERNEL_CMDLINE
 
 USER = "demo"
 PASSWORD = "demo-password"
@@ -344,7 +344,7 @@ def _run_sites(workdir: Path, guest: Any, server: Server, sites: list[Site]) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m isrctl.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--keep", type=Path, metavar="DIR",
                         help="work in DIR and keep it afterwards (default: a temporary directory, removed)")
     args = parser.parse_args(argv)
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         run(workdir)
         return 0
-    except (IsrError, ParcelError, OSError, subprocess.TimeoutExpired) as exc:
+    except (IsrError, ParcelError, GuestError, OSError, subprocess.TimeoutExpired) as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -1,14 +1,8 @@
-"""Exceptions raised by the test guest tooling (parcels.guest).
-
-They derive from the parcels package's root, `parcels.errors.ParcelError`, so that the package keeps one
-exception root; `GuestError` is the root of this subpackage.
-"""
+"""Exceptions raised by the test guest tooling (tools.guest); `GuestError` is their one root."""
 from __future__ import annotations
 
-from ..errors import ParcelError
 
-
-class GuestError(ParcelError):
+class GuestError(Exception):
     """Root of every exception the test guest tooling raises on purpose."""
 
 
