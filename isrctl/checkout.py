@@ -16,7 +16,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -321,3 +321,22 @@ def ensure_checkout(client: Client, state: ParcelState, parcel: dict[str, Any], 
     if current == 0:
         raise StateError(f"parcel {parcel['name']} has no version yet: create it with isr-admin")
     return checkout, current
+
+
+@contextlib.contextmanager
+def holding_lock(client: Client, state: ParcelState, parcel: dict[str, Any]) -> Iterator[tuple[Any, int, bool]]:
+    """The parcel's lock for a short server-side change: this site's lock if it holds one (kept), else one
+    taken for the block and released after it. Yields (lock, current version, whether it was held)."""
+    before = state.checkout()
+    had_lock = before is not None and before.lock is not None
+    checkout, current = ensure_checkout(client, state, parcel)
+    lock = checkout.lock
+    assert lock is not None
+    try:
+        yield lock, current, had_lock
+    finally:
+        if not had_lock:
+            client.release(parcel["id"], lock)
+            checkout = state.require_checkout()
+            checkout.lock = None
+            state.save_checkout(checkout)

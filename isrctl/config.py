@@ -23,6 +23,8 @@ import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from parcels.durable import fsync_path
+
 from . import paths
 from .errors import ConfigError
 
@@ -150,8 +152,4 @@ def write_private(path: Path, data: bytes, *, mode: int = 0o600) -> None:
         os.close(fd)
     os.chmod(tmp, mode)
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_path(path.parent)

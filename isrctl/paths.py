@@ -17,7 +17,9 @@ because sockets must live in a private place.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import uuid
 from pathlib import Path
 
@@ -105,3 +107,14 @@ def parcel_runtime_dir(parcel: uuid.UUID | str) -> Path:
                       f"shorter path")
     path.mkdir(mode=0o700, exist_ok=True)
     return path
+
+
+def listen_private(path: Path, backlog: int) -> socket.socket:
+    """A listening Unix socket at ``path`` (mode 0600, in a private runtime directory), replacing a stale one."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    os.chmod(path, 0o600)
+    listener.listen(backlog)
+    return listener

@@ -1,8 +1,9 @@
 """Run one QEMU virtual machine and drive it over QMP: launch, stop, save and load its state, shut it down.
 
-This is the only module in isrctl that speaks QMP (through the ``qemu.qmp`` package). Callers get a plain
-synchronous API: the asynchronous QMP client runs on a private event loop in a background thread, so a
-`VM` can be used from ordinary code, from tests, and from code that has its own asyncio loop.
+This is the only module in isrctl that starts QEMU; it speaks QMP through `isrctl.qmp` (a synchronous
+face on the ``qemu.qmp`` package), so a `VM` can be used from ordinary code, from tests, and from code that
+has its own asyncio loop. Next to it: `isrctl.seccomp` (the filter QEMU runs under when its RAM is a file)
+and `isrctl.accel` (the probe that says whether KVM works here).
 
 Life of a VM::
 
@@ -21,15 +22,9 @@ connected before the guest executes its first instruction: nothing the guest pri
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import ctypes
-import errno
-import hashlib
-import json
 import logging
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -39,18 +34,18 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
-from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
+from parcels.durable import fsync_path
 
-from .errors import MigrationError, QMPCommandError, VMError, VMLaunchError, VMTimeoutError
+from .errors import MigrationError, VMError, VMLaunchError, VMTimeoutError
+from .qmp import QMPConnection
+from .seccomp import no_hugepage_filter
 
 log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
 
 #: Disk cache modes QEMU accepts for ``-drive cache=``.
 CACHE_MODES = ("none", "writeback", "writethrough", "directsync", "unsafe")
@@ -172,72 +167,6 @@ class MigrationStats:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-class _QMPConnection:
-    """A synchronous face on ``qemu.qmp.QMPClient``: the client lives on a private loop in its own thread."""
-
-    def __init__(self, name: str) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"qmp-{name}", daemon=True)
-        self._thread.start()
-        self._client: QMPClient = self._call(self._make_client(name), timeout=10)
-
-    @staticmethod
-    async def _make_client(name: str) -> QMPClient:
-        # Built inside the loop so that any asyncio objects it creates belong to that loop.
-        return QMPClient(name)
-
-    def _call(self, coro: Coroutine[Any, Any, _T], timeout: float | None) -> _T:
-        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self._loop)
-        try:
-            return future.result()
-        except TimeoutError as exc:  # also asyncio's (an alias since Python 3.11)
-            raise VMTimeoutError(f"QMP did not answer within {timeout} s") from exc
-
-    def connect(self, path: Path, timeout: float) -> None:
-        self._call(self._client.connect(str(path)), timeout)
-
-    def execute(self, command: str, arguments: dict[str, Any] | None = None, timeout: float = 30.0) -> Any:
-        try:
-            return self._call(self._client.execute(command, arguments), timeout)
-        except ExecuteError as exc:
-            raise QMPCommandError(command, exc.error_class, str(exc)) from exc
-        except (QMPError, EOFError, OSError) as exc:
-            raise VMError(f"QMP command {command} failed: {exc!r}") from exc
-
-    def send_fd(self, fd: int, name: str, timeout: float = 10.0) -> None:
-        """Hand ``fd`` to QEMU (SCM_RIGHTS) and register it as ``name`` for ``fd:`` URIs (QMP ``getfd``)."""
-        async def send() -> None:
-            # On the loop's thread: the client's socket belongs to it, and getfd must be the very next
-            # command after the descriptor, so nothing may interleave.
-            self._client.send_fd_scm(fd)
-            await self._client.execute("getfd", {"fdname": name})
-        try:
-            self._call(send(), timeout)
-        except ExecuteError as exc:
-            raise QMPCommandError("getfd", exc.error_class, str(exc)) from exc
-        except (QMPError, EOFError, OSError) as exc:
-            raise VMError(f"passing a file descriptor to QEMU failed: {exc!r}") from exc
-
-    def shutdown_reason(self) -> str | None:
-        """The reason of the last ``SHUTDOWN`` event QEMU sent (``guest-shutdown``, ``guest-reset``, ``host-qmp-quit``,
-        ...), or None if it sent none."""
-        for event in reversed(self._client.events.history):
-            if event.get("event") == "SHUTDOWN":
-                return str(event.get("data", {}).get("reason", "")) or None
-        return None
-
-    def close(self) -> None:
-        try:
-            self._call(self._client.disconnect(), timeout=5)
-        except (QMPError, EOFError, OSError, VMError):
-            # After 'quit' QEMU hangs up first; disconnect() then reports the EOF. Nothing to do about it.
-            pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():
-            self._loop.close()
-
-
 class VM:
     """One QEMU process: a context manager that always leaves no QEMU behind.
 
@@ -251,7 +180,7 @@ class VM:
         self._run_dir = run_dir
         self._sock_dir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._qmp: _QMPConnection | None = None
+        self._qmp: QMPConnection | None = None
         self._serial: socket.socket | None = None
         self._log_path: Path | None = None
         self._log_start = 0
@@ -359,7 +288,7 @@ class VM:
             raise
 
     def _spawn(self, out: Any) -> subprocess.Popen[bytes]:
-        """Start QEMU; with RAM in a file, from a short-lived thread that carries `_no_hugepage_filter`.
+        """Start QEMU; with RAM in a file, from a short-lived thread that carries `no_hugepage_filter`.
 
         A seccomp filter belongs to the thread that installs it and to the processes it starts, so a
         throwaway thread keeps it away from the rest of isrctl and needs no code between fork and exec.
@@ -373,7 +302,7 @@ class VM:
 
         def launcher() -> None:
             try:
-                _no_hugepage_filter(self.config.memory_mib << 20)
+                no_hugepage_filter(self.config.memory_mib << 20)
             except OSError as exc:
                 log.warning("cannot keep QEMU from marking guest RAM MADV_HUGEPAGE (%s); each RAM fault will "
                             "read up to 4 MiB of %s", exc, self.config.memory_file)
@@ -392,7 +321,7 @@ class VM:
 
     def _connect_qmp(self, path: Path, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        self._qmp = _QMPConnection(self.name)
+        self._qmp = QMPConnection(self.name)
         while True:
             assert self._proc is not None
             if self._proc.poll() is not None:
@@ -401,7 +330,7 @@ class VM:
                 try:
                     self._qmp.connect(path, timeout=max(0.1, deadline - time.monotonic()))
                     return
-                except (ConnectError, VMTimeoutError) as exc:
+                except VMError as exc:
                     log.debug("QMP connect to %s: %s", path, exc)
             if time.monotonic() > deadline:
                 raise VMTimeoutError(f"QEMU's monitor did not come up within {timeout} s")
@@ -457,10 +386,10 @@ class VM:
         file_bytes = None
         if path is not None:
             if sync:
-                _fsync_path(path)
+                fsync_path(path)
             file_bytes = path.stat().st_size
         if sync and self.config.memory_file is not None:
-            _fsync_path(self.config.memory_file)
+            fsync_path(self.config.memory_file)
         stats = MigrationStats(seconds=seconds, stream_bytes=_stream_bytes(info), file_bytes=file_bytes,
                                info=info)
         log.info("saved %s: %d stream bytes, %s file bytes, %.2f s", self.name, stats.stream_bytes,
@@ -554,7 +483,7 @@ class VM:
         if failure:
             raise MigrationError(f"reading the state stream failed: {failure[0]}")
         if self.config.memory_file is not None:
-            _fsync_path(self.config.memory_file)
+            fsync_path(self.config.memory_file)
         data = b"".join(chunks)
         return data, MigrationStats(seconds=seconds, stream_bytes=_stream_bytes(info), file_bytes=None, info=info)
 
@@ -712,164 +641,10 @@ class VM:
         self._proc = None
 
 
-# --- keeping guest RAM in a file free of huge-page read-around --------------------------------------------
-#
-# QEMU 7.2 calls madvise(MADV_HUGEPAGE) on all guest RAM (physmem.c, ram_block_add), with no option to turn
-# it off. For RAM in a file that sets VM_HUGEPAGE on the shared file mapping, and on every major fault the
-# kernel then reads 4 MiB of the file around the faulting page, 2 MiB-aligned, even where readahead is off
-# (mm/filemap.c, do_sync_mmap_readahead). With RAM in vulpes's memory image each such read is up to 32
-# demand-fetched chunks for a 4 KiB page. The filter below makes exactly that madvise fail with EINVAL (as
-# on a kernel without THP), which QEMU ignores: advice MADV_HUGEPAGE on a range the size of guest RAM.
-# Smaller ranges (TCG's code buffer) keep their huge pages. The filter asks for no_new_privs, which only
-# matters if QEMU were to execute a set-user-ID helper (e.g. qemu-bridge-helper; isr uses none).
-
-_AUDIT_ARCH_X86_64 = 0xC000003E
-_NR_MADVISE_X86_64 = 28
-_MADV_HUGEPAGE = 14
-_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, _PR_SET_NO_NEW_PRIVS = 22, 2, 38
-_SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
-_LD_ABS_W, _JEQ_K, _RET_K = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
-
-
-def _no_hugepage_filter(ram_bytes: int) -> None:
-    """Install, on the calling thread, a seccomp filter that fails madvise(_, ram_bytes, MADV_HUGEPAGE).
-
-    Everything else is allowed. Raises OSError if the filter cannot be installed (no seccomp in this
-    kernel, not an x86-64 host); the caller then runs QEMU without it: slower demand fetch, same guest.
-    """
-    if platform.machine() != "x86_64":
-        raise OSError(errno.ENOSYS, f"the filter is written for x86-64, not {platform.machine()}")
-    # struct seccomp_data: int nr @0, u32 arch @4, u64 ip @8, u64 args[6] @16, in little-endian halves.
-    # madvise(addr, len, advice): len is args[1] (@24 low, @28 high), advice (an int) args[2] (@32).
-    # Each test either falls through to the next load or jumps to the ALLOW at index 11.
-    checks = [(4, _AUDIT_ARCH_X86_64), (0, _NR_MADVISE_X86_64), (32, _MADV_HUGEPAGE),
-              (24, ram_bytes & 0xFFFFFFFF), (28, ram_bytes >> 32)]
-    program: list[tuple[int, int, int, int]] = []
-    for offset, value in checks:
-        program += [(_LD_ABS_W, 0, 0, offset), (_JEQ_K, 0, 10 - (len(program) + 1), value)]
-    program += [(_RET_K, 0, 0, _SECCOMP_RET_ERRNO | errno.EINVAL), (_RET_K, 0, 0, _SECCOMP_RET_ALLOW)]
-
-    class SockFilter(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
-                    ("k", ctypes.c_uint32)]
-
-    class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
-
-    insns = (SockFilter * len(program))(*(SockFilter(*insn) for insn in program))
-    fprog = SockFprog(len(program), insns)
-    libc = ctypes.CDLL(None, use_errno=True)
-    ulong = ctypes.c_ulong
-    for what, args in (("no_new_privs", (_PR_SET_NO_NEW_PRIVS, ulong(1), ulong(0))),
-                       ("seccomp", (_PR_SET_SECCOMP, ulong(_SECCOMP_MODE_FILTER), ctypes.byref(fprog)))):
-        if libc.prctl(*args, ulong(0), ulong(0)) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, f"prctl({what}): {os.strerror(code)}")
-
-
 def _stream_bytes(info: dict[str, Any]) -> int:
     ram = info.get("ram", {})
     return int(ram.get("transferred", 0))
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# --- is KVM usable here? ---------------------------------------------------------------------------------
-
-_kvm_answers: dict[str, bool] = {}
-
-
-def kvm_works(kernel: Path, initrd: Path | None, *, marker: bytes, cmdline: str = "console=ttyS0",
-              disk: Path | None = None, timeout: float = 30.0, cache_dir: Path | None = None) -> bool:
-    """Whether a guest really boots under KVM here, found by booting it and caching the answer.
-
-    ``/dev/kvm`` existing is not enough: some hosts offer a paravirtual KVM on which stock guest kernels
-    crawl and then die with emulation failures. So the probe boots ``kernel`` (and ``initrd``, with an
-    optional read-only ``disk``) with ``-accel kvm`` and says yes only if ``marker`` appears on the serial
-    console within ``timeout`` seconds. The answer is remembered per host kernel, QEMU binary and guest
-    kernel, in memory and in ``cache_dir`` (default ``${XDG_CACHE_HOME:-~/.cache}/isr``).
-    """
-    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
-        return False
-    qemu = shutil.which("qemu-system-x86_64") or "qemu-system-x86_64"
-    key_parts = [platform.release(), qemu, str(_mtime_size(Path(qemu))), str(_mtime_size(kernel)),
-                 str(kernel), str(initrd), cmdline, marker.decode(errors="replace")]
-    key = hashlib.sha256("\0".join(key_parts).encode()).hexdigest()[:32]
-    if key in _kvm_answers:
-        return _kvm_answers[key]
-    cache_file = (cache_dir or default_cache_dir()) / "kvm-probe.json"
-    try:
-        answers = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        answers = {}
-    remembered = answers.get(key)
-    if isinstance(remembered, bool):
-        _kvm_answers[key] = remembered
-        return remembered
-    answer = _probe_kvm(kernel, initrd, marker=marker, cmdline=cmdline, disk=disk, timeout=timeout)
-    log.info("KVM probe: guest %s under KVM", "boots" if answer else "does not boot")
-    _kvm_answers[key] = answer
-    answers[key] = answer
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(answers, indent=1) + "\n")
-        os.replace(tmp, cache_file)
-    except OSError as exc:
-        log.warning("cannot remember the KVM probe result in %s: %s", cache_file, exc)
-    return answer
-
-
-def default_cache_dir() -> Path:
-    """``${XDG_CACHE_HOME:-~/.cache}/isr``: where ISR keeps what it can rebuild."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "isr"
-
-
-def _mtime_size(path: Path) -> tuple[int, int]:
-    try:
-        st = path.stat()
-    except OSError:
-        return (0, 0)
-    return (st.st_mtime_ns, st.st_size)
-
-
-def _probe_kvm(kernel: Path, initrd: Path | None, *, marker: bytes, cmdline: str, disk: Path | None,
-               timeout: float) -> bool:
-    config = VMConfig(disk=disk, disk_readonly=disk is not None, kernel=kernel, initrd=initrd,
-                      cmdline=cmdline, accel="kvm")
-    seen = b""
-    with VM(config, name="kvm-probe") as vm:
-        try:
-            vm.launch(timeout=min(timeout, 30.0))
-        except VMError as exc:
-            log.info("KVM probe: QEMU did not start with KVM: %s", exc)
-            return False
-        deadline = time.monotonic() + timeout
-        vm.serial.settimeout(_POLL_INTERVAL * 4)
-        while time.monotonic() < deadline and vm.is_running():
-            try:
-                data = vm.serial.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                if exc.errno == errno.EINTR:
-                    continue
-                break
-            if not data:
-                break
-            seen = (seen + data)[-(len(marker) + 65536):]
-            if marker in seen:
-                return True
-        vm.kill()
-    return False
-
-
-__all__ = ["VM", "VMConfig", "MigrationStats", "kvm_works", "default_cache_dir", "CACHE_MODES", "AIO_MODES",
+__all__ = ["VM", "VMConfig", "MigrationStats", "CACHE_MODES", "AIO_MODES",
            "ACCELERATORS"]

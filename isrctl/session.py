@@ -23,22 +23,19 @@ Suspend: stop the guest, save the device state (sealed at once), make the memory
 write durable, quit QEMU, record the working set from the trace, and (by default) let vulpes upload the
 new chunks, unmount, and commit the new version (`checkin.checkin`), releasing the lock.
 
-A session runs in the foreground of `isr resume` (Ctrl-C suspends), or detached (``--detach``): then
-`isr resume` starts ``python -m isrctl.session`` with the options on stdin and the keys through an
-inherited pipe, relays its progress, and exits once the guest runs.
+The session is a process of its own, in the foreground of `isr resume` (Ctrl-C suspends) or detached
+(``--detach``): `isrctl.detach` starts it. Its console relay is `isrctl.console`, its control socket
+`isrctl.control`.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import queue
-import signal
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -47,33 +44,32 @@ from pathlib import Path
 from typing import Any
 
 from parcels import seal
+from parcels.chunk import chunk_count
+from parcels.durable import fsync_path
 from parcels.errors import ParcelError
 from parcels.keyring import Keyring, encode_stream
 from parcels.manifest import IMAGES, Manifest, open_blob, open_manifest, utc_now
 from parcels.parcel import ParcelKeys
-from parcels.chunk import chunk_count
 
 from . import compat, paths, workingset
 from . import config as configmod
-from . import keys as keymod
 from . import policy as policymod
+from .accel import kvm_works
 from .checkin import checkin as do_checkin
 from .checkin import compare as compare_changes
 from .checkout import Client, boot_blobs, ensure_checkout
-from .errors import IsrError, LockBroken, LockRefused, SessionError, StateError, VMError
+from .console import CONSOLE_SOCKET, ConsoleRelay
+from .control import CONTROL_SOCKET, ControlServer, Request
+from .errors import IsrError, LockBroken, SessionError, StateError, VMError, VulpesFailure
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState, write_file
-from .progress import JsonReporter, Reporter, TerminalReporter
-from .qemu import VM, VMConfig, kvm_works
+from .progress import Reporter
+from .qemu import VM, VMConfig
 from .remote import RemoteError, RemoteUnreachable
 from .vulpes import Vulpes
 
 log = logging.getLogger(__name__)
 
-CONTROL_SOCKET = "session.sock"
-CONSOLE_SOCKET = "console.sock"
 VNC_SOCKET = "vnc.sock"
-_CONSOLE_HISTORY = 1 << 20
-_CONSOLE_SEND_TIMEOUT = 10.0
 _POLL = 0.2
 #: How long an ending session waits for its control thread to hand the result to the requester.
 _ANSWER_TIMEOUT = 10.0
@@ -108,18 +104,6 @@ class SessionOptions:
         return cls(**data)
 
 
-@dataclass
-class _Request:
-    op: str                      # "suspend", "poweroff"
-    checkin: bool
-    reporter: Reporter
-    done: threading.Event = field(default_factory=threading.Event)
-    answered: threading.Event = field(default_factory=threading.Event)  # the requester has the result
-    result: dict[str, Any] | None = None
-    error: str | None = None
-    kind: str | None = None
-
-
 def _memfd(name: str, data: bytes) -> tuple[int, Path]:
     """An anonymous in-memory file holding ``data`` and a path other processes (QEMU) can open it by, so
     plaintext boot files never touch a disk."""
@@ -139,185 +123,6 @@ def _free_vnc_display() -> str:
                 continue
             return f"127.0.0.1:{display}"
     raise SessionError("no free VNC display on 127.0.0.1:5900-5999: give --vnc HOST:DISPLAY or --vnc unix")
-
-
-class ConsoleRelay:
-    """Relays the guest's serial console to whoever connects to ``path`` (one client at a time).
-
-    Everything the guest printed since QEMU started is kept (up to 1 MiB) and replayed to each new client,
-    so that a client that connects late still sees, say, a boot message. The transcript is also appended
-    to ``log_path``.
-    """
-
-    def __init__(self, serial: socket.socket, path: Path, log_path: Path) -> None:
-        self.serial = serial
-        self.path = path
-        self.history = bytearray()
-        self.client: socket.socket | None = None
-        self.lock = threading.Lock()
-        self.log = open(log_path, "ab")
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(str(path))
-        os.chmod(path, 0o600)
-        self.listener.listen(2)
-        self.closed = False
-        threading.Thread(target=self._from_guest, args=(serial,), name="console-out", daemon=True).start()
-        threading.Thread(target=self._accept, name="console-accept", daemon=True).start()
-
-    def attach(self, serial: socket.socket) -> None:
-        """Relay a new QEMU's serial console (the guest was started again): the client stays connected."""
-        self.serial = serial
-        threading.Thread(target=self._from_guest, args=(serial,), name="console-out", daemon=True).start()
-
-    def _from_guest(self, serial: socket.socket) -> None:
-        while True:
-            try:
-                data = serial.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                return
-            with self.lock:
-                self.history += data
-                if len(self.history) > _CONSOLE_HISTORY:
-                    del self.history[:len(self.history) - _CONSOLE_HISTORY]
-                with contextlib.suppress(OSError, ValueError):
-                    self.log.write(data)
-                    self.log.flush()
-                # Sent under the lock, so that it can never interleave with a new client's backlog.
-                client = self.client
-                if client is not None:
-                    try:
-                        client.sendall(data)
-                    except OSError:
-                        self.client = None
-                        with contextlib.suppress(OSError):
-                            client.close()
-
-    def _accept(self) -> None:
-        while not self.closed:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            # A client that stops reading must not stall the guest's console for long.
-            client.settimeout(_CONSOLE_SEND_TIMEOUT)
-            with self.lock:
-                old, self.client = self.client, client
-                try:
-                    client.sendall(bytes(self.history))
-                except OSError:
-                    self.client = None
-            if old is not None:
-                with contextlib.suppress(OSError):
-                    old.close()
-            if self.client is not client:
-                with contextlib.suppress(OSError):
-                    client.close()
-                continue
-            threading.Thread(target=self._to_guest, args=(client,), name="console-in", daemon=True).start()
-
-    def _to_guest(self, client: socket.socket) -> None:
-        while True:
-            try:
-                data = client.recv(65536)
-            except TimeoutError:
-                continue          # the timeout is for sending; a quiet client is fine
-            except OSError:
-                data = b""
-            if not data:
-                self._drop(client)
-                return
-            try:
-                self.serial.sendall(data)
-            except OSError:
-                return
-
-    def _drop(self, client: socket.socket) -> None:
-        with self.lock:
-            if self.client is client:
-                self.client = None
-        with contextlib.suppress(OSError):
-            client.close()
-
-    def close(self) -> None:
-        self.closed = True
-        with contextlib.suppress(OSError):
-            self.listener.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        with self.lock:
-            if self.client is not None:
-                with contextlib.suppress(OSError):
-                    self.client.close()
-                self.client = None
-            self.log.close()
-
-
-class ControlServer:
-    """The session's control socket: JSON lines. ``status`` is answered at once; ``suspend`` and
-    ``poweroff`` are handed to the session's main thread, whose progress streams back on the same
-    connection, ending with ``{"ok": ..., "result"|"error": ...}``."""
-
-    def __init__(self, path: Path, session: Session) -> None:
-        self.path = path
-        self.session = session
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(str(path))
-        os.chmod(path, 0o600)
-        self.listener.listen(8)
-        threading.Thread(target=self._accept, name="control-accept", daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="control", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        lock = threading.Lock()
-
-        def write(text: str) -> None:
-            with lock:
-                with contextlib.suppress(OSError):
-                    conn.sendall(text.encode())
-
-        try:
-            with conn, conn.makefile("rb") as lines:
-                for line in lines:
-                    try:
-                        request = json.loads(line)
-                        op = request["op"]
-                    except (ValueError, KeyError, TypeError):
-                        write(json.dumps({"ok": False, "error": "a request is a JSON object with \"op\""}) + "\n")
-                        continue
-                    if op == "status":
-                        write(json.dumps({"ok": True, "status": self.session.status()}) + "\n")
-                    elif op in ("suspend", "poweroff"):
-                        req = _Request(op, bool(request.get("checkin", True)), JsonReporter(write))
-                        self.session.submit(req)
-                        req.done.wait()
-                        try:
-                            write(json.dumps({"ok": req.error is None, "result": req.result, "error": req.error,
-                                              "kind": req.kind}) + "\n")
-                        finally:
-                            req.answered.set()
-                    else:
-                        write(json.dumps({"ok": False, "error": f"unknown op {op!r}"}) + "\n")
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.listener.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
 
 
 class Session:
@@ -344,7 +149,7 @@ class Session:
         self._vnc: str | None = None
         self.host: compat.HostQemu | None = None
         # SimpleQueue.put is reentrant: a signal handler may call it.
-        self.requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
+        self.requests: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.ending = False
         self.exit_code = 0
         self.phases: dict[str, float] = {}
@@ -358,7 +163,7 @@ class Session:
 
     # --- requests from other threads ----------------------------------------------------------------
 
-    def submit(self, request: _Request) -> None:
+    def submit(self, request: Request) -> None:
         """Queue a suspend or poweroff for the main thread (`serve`)."""
         self.requests.put(request)
 
@@ -460,7 +265,7 @@ class Session:
         t = self._phase("qemu", t)
         self._guest_started = True
         self._apply_policy_after(manifest, change)
-        self.control = ControlServer(self.runtime / CONTROL_SOCKET, self)
+        self.control = ControlServer(self.runtime / CONTROL_SOCKET, status=self.status, submit=self.submit)
         latency = time.monotonic() - self.started
         info = {"parcel": opts.parcel, "name": opts.name, "version": checkout.version, "policy": opts.policy,
                 "pid": os.getpid(), "control": str(self.runtime / CONTROL_SOCKET),
@@ -578,25 +383,12 @@ class Session:
             rate = self.options.writeback_rate
             self.reporter.say(f"  trickle writeback on ({'unlimited' if not rate else f'{rate >> 10} KiB/s'})")
 
-    def _hoard_and_wait(self, *, everything: bool = False, disk: list[int] | None = None,
-                        memory: list[int] | None = None, label: str) -> None:
+    def _hoard_and_wait(self, label: str, **what: Any) -> None:
         assert self.vulpes is not None
-        status = self.vulpes.hoard(disk=disk, memory=memory, everything=everything)
-        hoard = status.get("hoard", {})
-        bar = self.reporter.progress(label, int(hoard.get("bytes_total", 0)))
         try:
-            while True:
-                hoard = self.vulpes.status().get("hoard", {})
-                bar.update(int(hoard.get("bytes_done", 0)), int(hoard.get("bytes_total", 0)))
-                if hoard.get("state") in ("done", "stopped", "idle"):
-                    break
-                if not self.vulpes.alive():
-                    raise SessionError(f"vulpes exited while hoarding:\n{self.vulpes.output()}")
-                time.sleep(_POLL)
-        finally:
-            bar.close(f"{hoard.get('chunks_done', 0)} chunks, {hoard.get('bytes_fetched', 0) >> 20} MiB fetched")
-        if int(hoard.get("chunks_failed", 0)):
-            raise SessionError(f"{hoard['chunks_failed']} chunks could not be hoarded (see {self.vulpes.log_path})")
+            self.vulpes.hoard_and_wait(self.reporter, label, **what)
+        except VulpesFailure as exc:
+            raise SessionError(str(exc)) from None
 
     def _boot_blobs(self, manifest: Manifest) -> dict[str, bytes]:
         return boot_blobs(self.state, manifest, self.keys, remote=None if self.client is None else self.client.remote,
@@ -810,7 +602,7 @@ class Session:
         log.info("session ends (exit code %d)", self.exit_code)
         return self.exit_code
 
-    def _handle(self, request: _Request) -> None:
+    def _handle(self, request: Request) -> None:
         try:
             if request.op == "suspend":
                 request.result = self._end(SUSPENDED, request.checkin and not self.options.disconnected,
@@ -866,7 +658,7 @@ class Session:
                 del data
                 write_file(self.state.local_devstate_path(), sealed)
                 t = _lap(phases, "save device state", t)
-                _fsync(self.vulpes.disk)
+                fsync_path(self.vulpes.disk)
                 self.vulpes.flush()
                 t = _lap(phases, "flush", t)
             except (IsrError, OSError) as exc:
@@ -890,7 +682,7 @@ class Session:
             self.vm.shutdown()
             with contextlib.suppress(IsrError):
                 self.vulpes.trace_stop()
-            _fsync(self.vulpes.disk)
+            fsync_path(self.vulpes.disk)
             self.vulpes.flush()
             t = _lap(phases, "flush", t)
             change = LocalChange(state=POWEROFF, working_set=self._trace_working_set(),
@@ -1005,15 +797,6 @@ class Session:
         return {"version": version, "checkin_seconds": round(time.monotonic() - started, 3)}
 
 
-def _fsync(path: Path) -> None:
-    """Push the kernel's cached writes of a vulpes file down to vulpes (and have vulpes make them durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _lap(phases: dict[str, float], name: str, since: float) -> float:
     now = time.monotonic()
     phases[name] = now - since
@@ -1029,226 +812,3 @@ def forget_memory(state: ParcelState) -> None:
         state.local_devstate_path().unlink()
 
 
-# --- talking to a running session ---------------------------------------------------------------------
-
-def request(state: ParcelState, op: str, reporter: Reporter, *, timeout: float | None = None,
-            **fields: Any) -> dict[str, Any]:
-    """Send one request to the parcel's running session, replaying its progress into ``reporter``.
-
-    Returns the ``result`` (or ``status``). Raises SessionError if no session runs or it reports an error.
-    """
-    from .progress import Replayer
-
-    info = state.session_info()
-    if info is None:
-        raise SessionError(f"no session of parcel {state.parcel} is running at this site")
-    replay = Replayer(reporter)
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout)
-            sock.connect(info["control"])
-            sock.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
-            with sock.makefile("rb") as lines:
-                for line in lines:
-                    message = json.loads(line)
-                    if replay.feed(message):
-                        continue
-                    if not message.get("ok"):
-                        text = str(message.get("error") or f"{op} failed")
-                        raise LockBroken(text) if message.get("kind") == "LockBroken" else SessionError(text)
-                    return dict(message.get("result") or message.get("status") or {})
-    except OSError as exc:
-        raise SessionError(f"cannot reach the session of {state.parcel} ({info.get('control')}): {exc}") from None
-    finally:
-        replay.close()
-    raise SessionError(f"the session of {state.parcel} hung up during {op}; see {state.dir / 'session.log'}")
-
-
-def wait_for_exit(pid: int, timeout: float = 120.0) -> bool:
-    """Wait until process ``pid`` is gone; True if it went within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not process_alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs; a zombie (exited, not yet reaped by whoever adopted it) counts as gone."""
-    with contextlib.suppress(ChildProcessError):
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # The state letter follows the command name in parentheses, which may itself contain spaces.
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    except OSError:
-        return True
-
-
-# --- running a session in the foreground, or as a detached process -------------------------------------
-
-def run_foreground(options: SessionOptions, parcel_keys: ParcelKeys, reporter: Reporter) -> int:
-    """`isr resume` without --detach: the session runs until the VM ends; Ctrl-C (SIGINT), SIGTERM or a
-    closed terminal (SIGHUP) suspend it.
-
-    The session itself is a separate process (as with --detach) in a session of its own: a Ctrl-C typed
-    at the terminal goes to the whole foreground process group, and QEMU and vulpes must not get it. This
-    process relays the start, waits, turns the signals into a suspend request and relays its progress.
-    Returns 0 when the VM was suspended or powered off cleanly, 1 otherwise.
-    """
-    state = ParcelState(options.parcel)
-    info = spawn_detached(options, parcel_keys, reporter)
-    pid = int(info["pid"])
-    log_path = state.dir / "session.log"
-    try:
-        log_offset = log_path.stat().st_size
-    except OSError:
-        log_offset = 0
-    reporter.say("running; Ctrl-C or `isr suspend` suspends it")
-    wanted: list[int] = []
-
-    def interrupted(signum: int, frame: object) -> None:
-        wanted.append(signum)
-
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {sig: signal.signal(sig, interrupted) for sig in signals}
-    try:
-        asked = False
-        while process_alive(pid):
-            if wanted and not asked:
-                asked = True
-                reporter.say("suspending")
-                try:
-                    request(state, "suspend", reporter, checkin=True)
-                except SessionError as exc:
-                    if process_alive(pid):
-                        reporter.say(f"isr: {exc}")
-                        asked = False
-                        wanted.clear()
-                        continue
-                    raise
-            time.sleep(0.1)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if not asked:
-        # The session ended by itself (the guest powered off, or QEMU or vulpes died): show what it said.
-        with contextlib.suppress(OSError):
-            with open(log_path, errors="replace") as f:
-                f.seek(log_offset)
-                for line in f.read().splitlines():
-                    if not line[:4].isdigit():      # its messages, not its log records
-                        reporter.say(line)
-    change = state.effective_local_change()
-    return 1 if change is not None and change.state == DAMAGED else 0
-
-
-def spawn_detached(options: SessionOptions, parcel_keys: ParcelKeys, reporter: Reporter,
-                   timeout: float = 3600.0) -> dict[str, Any]:
-    """Start a detached session process and relay its progress until the guest runs.
-
-    Returns the session's start information. Raises SessionError with the session's own message if it
-    fails to start.
-    """
-    import subprocess
-
-    from .progress import Replayer
-
-    state = ParcelState(options.parcel)
-    state.dir.mkdir(parents=True, exist_ok=True)
-    log_path = state.dir / "session.log"
-    key_fd = keymod.key_pipe(parcel_keys)
-    try:
-        with open(log_path, "ab") as log_file:
-            # Its own session: the terminal's Ctrl-C belongs to `isr resume`, not to the running VM.
-            proc = subprocess.Popen([sys.executable, "-m", "isrctl.session"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=log_file, pass_fds=(key_fd,),
-                                    start_new_session=True)
-    finally:
-        os.close(key_fd)
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write((json.dumps({"options": options.to_json(), "key_fd": key_fd}) + "\n").encode())
-    proc.stdin.close()
-    replay = Replayer(reporter)
-    assert proc.stdout is not None
-    try:
-        for line in proc.stdout:
-            try:
-                message = json.loads(line)
-            except ValueError:
-                continue
-            if replay.feed(message):
-                continue
-            if "ready" in message:
-                return dict(message["ready"])
-            if "error" in message:
-                proc.wait(timeout=120)
-                kind = message.get("kind")
-                if kind == "LockRefused":
-                    raise LockRefused(str(message["error"]), message.get("holder") or {})
-                if kind == "LockBroken":
-                    raise LockBroken(str(message["error"]))
-                raise SessionError(str(message["error"]))
-    finally:
-        replay.close()
-        proc.stdout.close()
-    proc.wait(timeout=60)
-    tail = ""
-    with contextlib.suppress(OSError):
-        tail = log_path.read_text(errors="replace")[-3000:]
-    raise SessionError(f"the session process exited with code {proc.returncode} before the VM ran:\n{tail}")
-
-
-def _detached_main() -> int:
-    """Entry of ``python -m isrctl.session``: options on stdin, keys on an inherited fd, reports on stdout
-    until the VM runs; then stdout is pointed at the session log and the session serves."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for noisy in ("httpx", "httpcore", "qemu.qmp"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-
-    def write(text: str) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            out.write(text)
-            out.flush()
-
-    reporter = JsonReporter(write)
-    try:
-        request_data = json.loads(sys.stdin.readline())
-        options = SessionOptions.from_json(request_data["options"])
-        parcel_keys = keymod.read_keys_fd(int(request_data["key_fd"]))
-        session = Session(options, parcel_keys, reporter)
-        info = session.start()
-    except IsrError as exc:
-        write(json.dumps({"error": str(exc), "kind": type(exc).__name__,
-                          "holder": getattr(exc, "holder", None)}) + "\n")
-        return 1
-    except Exception as exc:
-        log.exception("session start failed")
-        write(json.dumps({"error": f"the session failed to start: {exc!r}"}) + "\n")
-        return 1
-    write(json.dumps({"ready": info}) + "\n")
-    out.close()
-    # From now on nobody reads stdout: what the session says goes to its log.
-    log_fd = os.open(session.state.dir / "session.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    os.dup2(log_fd, 1)
-    os.close(log_fd)
-    session.reporter = TerminalReporter(interactive=False)
-
-    def terminate(signum: int, frame: object) -> None:
-        request = _Request("suspend", True, session.reporter)
-        request.answered.set()  # nobody waits for an answer: the log has it
-        session.submit(request)
-
-    signal.signal(signal.SIGTERM, terminate)
-    signal.signal(signal.SIGINT, terminate)
-    return session.serve()
-
-
-if __name__ == "__main__":
-    sys.exit(_detached_main())

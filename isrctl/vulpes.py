@@ -28,15 +28,19 @@ from pathlib import Path
 from typing import Any
 
 from parcels.parcel import ParcelKeys
+from parcels.store import chunk_object_name
 
 from . import keys as keymod
 from .errors import HoardStopped, VulpesFailure
+from .progress import Reporter, human_bytes
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 60.0
 _LOG_TAIL = 3000
+#: How often `Vulpes.hoard_and_wait` looks at the hoard's progress.
+_HOARD_POLL = 0.2
 
 
 def binary(name: str = "vulpes") -> Path:
@@ -235,11 +239,27 @@ class Vulpes:
                     request[image] = {"first": request[image], "then": "all"}
         return dict(self.control(request, timeout=86400 if wait else 60)["status"])
 
-    def hoard_stop(self) -> None:
-        self.control({"op": "hoard-stop"})
-
-    def set_offline(self, offline: bool) -> None:
-        self.control({"op": "offline" if offline else "online"})
+    def hoard_and_wait(self, reporter: Reporter, label: str, *, disk: Sequence[int] | None = None,
+                       memory: Sequence[int] | None = None, everything: bool = False) -> dict[str, Any]:
+        """Hoard (as `hoard`) and show its progress in ``reporter`` until it ends; returns the final hoard
+        status. Raises VulpesFailure if vulpes exits meanwhile or a chunk could not be hoarded."""
+        hoard = self.hoard(disk=disk, memory=memory, everything=everything).get("hoard", {})
+        bar = reporter.progress(label, int(hoard.get("bytes_total", 0)))
+        try:
+            while True:
+                hoard = self.status().get("hoard", {})
+                bar.update(int(hoard.get("bytes_done", 0)), int(hoard.get("bytes_total", 0)))
+                if hoard.get("state") in ("done", "stopped", "idle"):
+                    break
+                if not self.alive():
+                    raise VulpesFailure(f"vulpes exited while hoarding:\n{self.output()}")
+                time.sleep(_HOARD_POLL)
+        finally:
+            bar.close(f"{hoard.get('chunks_done', 0)} of {hoard.get('chunks_total', 0)} chunks, "
+                      f"{human_bytes(hoard.get('bytes_fetched', 0))} fetched")
+        if int(hoard.get("chunks_failed", 0)):
+            raise VulpesFailure(f"{hoard['chunks_failed']} chunks could not be hoarded (see {self.log_path})")
+        return hoard
 
     def writeback(self, enabled: bool, rate: int = 0) -> None:
         """Trickle the chunk objects that flushes create up to the server while the VM runs (``rate`` in
@@ -411,6 +431,32 @@ class ChunkFetch:
 
 
 def cache_object_path(cache_dir: Path, tag: bytes | str) -> Path:
-    """Where vulpes keeps a chunk object in its cache: ``CACHE/chunks/ab/cd/<64 hex>``."""
-    text = tag.hex() if isinstance(tag, bytes) else tag
-    return cache_dir / "chunks" / text[:2] / text[2:4] / text
+    """Where vulpes keeps a chunk object in its cache: the store layout of the format (`chunk_object_name`)."""
+    return cache_dir / chunk_object_name(tag)
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """What a chunk cache holds, by its own index (``vulpes-fetch --usage``)."""
+
+    objects: int = 0
+    bytes: int = 0
+    #: Objects that must not be evicted (not yet uploaded, or pinned for disconnected use).
+    pinned: int = 0
+    #: Objects evicted so far by every process sharing the cache.
+    evictions_total: int = 0
+
+
+def cache_usage(cache_dir: Path) -> CacheUsage:
+    """Ask vulpes what the cache at ``cache_dir`` holds (nothing if there is no cache there yet)."""
+    if not cache_dir.is_dir():
+        return CacheUsage()
+    proc = subprocess.run([str(binary("vulpes-fetch")), f"--cache={cache_dir}", "--usage"], capture_output=True,
+                          text=True, timeout=120)
+    try:
+        answer = json.loads(proc.stdout)
+    except ValueError:
+        answer = None
+    if proc.returncode != 0 or not isinstance(answer, dict):
+        raise VulpesFailure(f"cannot read the chunk cache {cache_dir}: {proc.stderr.strip() or proc.returncode}")
+    return CacheUsage(**{f: int(answer.get(f, 0)) for f in ("objects", "bytes", "pinned", "evictions_total")})

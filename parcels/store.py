@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from parcels import crypto, envelope
+from parcels.durable import fsync_path
 from parcels.chunk import TAG_SIZE
 from parcels.errors import FormatError, IntegrityError, NotFoundError, StoreError
 from parcels.manifest import BLOB_NAME, IMAGES, open_keyring, open_manifest
@@ -33,14 +34,6 @@ KEYRING_FILES = {image: f"keyring.{image}" for image in IMAGES}
 ENVELOPE = "keyenvelope"
 _VERSION_DIR = re.compile(r"[1-9][0-9]*")
 _TMP_PREFIX = ".tmp-"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -57,6 +50,19 @@ def _tag_hex(tag: bytes) -> str:
     if len(tag) != TAG_SIZE:
         raise FormatError("a chunk tag must be 32 bytes")
     return bytes(tag).hex()
+
+
+def chunk_object_name(tag: bytes | str) -> str:
+    """Where a chunk object lives under a store's root, ``chunks/ab/cd/<64 hex>`` (doc/parcel-format.md).
+
+    Every place that keeps chunk objects by tag uses this layout: a parcel store, the server's object
+    store, and vulpes's chunk cache (so that a cache directory can serve as another machine's lookaside).
+    ``tag`` is 32 bytes or their 64 hex digits.
+    """
+    name = _tag_hex(tag) if isinstance(tag, bytes) else tag
+    if len(name) != 2 * TAG_SIZE:
+        raise FormatError("a chunk tag must be 32 bytes")
+    return f"chunks/{name[:2]}/{name[2:4]}/{name}"
 
 
 def _check_version(version: int) -> str:
@@ -80,8 +86,7 @@ class DirStore:
 
     def chunk_path(self, tag: bytes) -> Path:
         """Where the chunk object named `tag` lives."""
-        name = _tag_hex(tag)
-        return self.root / "chunks" / name[:2] / name[2:4] / name
+        return self.root / chunk_object_name(tag)
 
     def parcel_dir(self, parcel: uuid.UUID) -> Path:
         return self.root / "parcels" / str(parcel)
@@ -103,7 +108,7 @@ class DirStore:
             with contextlib.suppress(FileExistsError):
                 directory.mkdir()
             # The new entry in the parent must be durable before anything relies on the child.
-            _fsync_dir(directory.parent)
+            fsync_path(directory.parent)
         self._known_dirs.add(path)
 
     def _write(self, path: Path, data: bytes, *, replace: bool) -> bool:
@@ -128,7 +133,7 @@ class DirStore:
                     return False
                 finally:
                     os.unlink(tmp)
-            _fsync_dir(path.parent)
+            fsync_path(path.parent)
             return True
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -167,7 +172,7 @@ class DirStore:
         try:
             self._ensure_dir(target.parent)
             os.rename(path, target)
-            _fsync_dir(path.parent)
+            fsync_path(path.parent)
             log.warning("quarantined corrupt chunk object %s as %s", path, target)
         except OSError as exc:
             log.warning("failed to quarantine corrupt chunk object %s: %s", path, exc)
@@ -275,8 +280,3 @@ class DirStore:
             missing.extend(f"chunk {r.tag.hex()}" for r in records if not self.has_chunk(r.tag))
         missing.extend(name for name in manifest.blobs if not self.has_blob(parcel, version, name))
         return missing
-
-    def version_complete(self, parcel: uuid.UUID, version: int, parcel_key: bytes) -> bool:
-        """True if the version's manifest, both keyrings, every blob and every chunk object exist.
-        Raises as `missing_pieces`."""
-        return not self.missing_pieces(parcel, version, parcel_key)

@@ -28,10 +28,10 @@ from typing import Any
 import pytest
 
 from parcels import parcel as parcel_ops
+from parcels.store import DirStore
+from tests.server_fixtures import BIN, PASSWORDS, ServerEnv, start_env
 from tools.guest import GuestArtifacts, GuestConsole, check_ext4
 from tools.guest.boot import KERNEL_CMDLINE
-from parcels.store import DirStore
-from tests.server_fixtures import PASSWORDS, BIN, ServerEnv, start_env
 
 ISR = BIN / "isr"
 COMMAND_TIMEOUT = 300
@@ -271,7 +271,7 @@ class Site:
 
     def wait_session_end(self, parcel: Parcel, timeout: float = 120) -> None:
         """Wait until the parcel's session at this site has exited."""
-        from isrctl.session import process_alive
+        from isrctl.detach import process_alive
 
         info = self.session(parcel)
         deadline = time.monotonic() + timeout

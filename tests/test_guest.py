@@ -121,7 +121,7 @@ def test_suspend_resume(guest_artifacts: GuestArtifacts, guest_disk: Path, tmp_p
 
 def test_ram_in_a_file_is_not_marked_for_huge_pages(tmp_path: Path) -> None:
     """QEMU's madvise(MADV_HUGEPAGE) on guest RAM is filtered out when RAM is in a file: on a huge-page
-    mapping every fault would read 4 MiB of vulpes's memory image (isrctl/qemu.py, `_no_hugepage_filter`)."""
+    mapping every fault would read 4 MiB of vulpes's memory image (isrctl/seccomp.py, `no_hugepage_filter`)."""
     ram = tmp_path / "ram.img"
     with VM(VMConfig(memory_file=ram, memory_mib=64), run_dir=tmp_path, name="hg") as vm:
         vm.launch(paused=True)
@@ -278,7 +278,7 @@ def test_a_lost_request_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_agent_runs_a_repeated_request_once(tmp_path: Path) -> None:
     """The guest's agent (run here by the host's sh) ignores a request with the id it ran last."""
-    agent = Path(__file__).parent.parent / "parcels" / "guest" / "files" / "isr-agent"
+    agent = Path(__file__).parent.parent / "tools" / "guest" / "files" / "isr-agent"
 
     def request(request_id: str, command: str) -> bytes:
         return f"ISR-RUN {request_id} 5 {base64.b64encode(command.encode()).decode()}\n".encode()

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from isrctl.detach import process_alive
 from isrctl.errors import IsrError
 from parcels.errors import ParcelError
 from tools.guest import GuestConsole, GuestError, build
@@ -157,8 +158,6 @@ class Site:
             sock.close()
 
     def wait_session_end(self, timeout: float = 120) -> None:
-        from isrctl.session import process_alive
-
         with contextlib.suppress(IsrError):
             pid = int(str(self.session()["pid"]))
             deadline = time.monotonic() + timeout

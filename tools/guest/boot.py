@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from isrctl.qemu import VM, MigrationStats, VMConfig, kvm_works
+from isrctl.accel import kvm_works
+from isrctl.qemu import VM, MigrationStats, VMConfig
 
 from .build import GuestArtifacts
 from .console import READY_MARKER, GuestConsole

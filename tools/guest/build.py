@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from parcels.durable import fsync_path
+
 from . import debian
 from .archive import WorkloadExpectation, collect_python_sources, expected_workload, write_archive
 from .disk import make_ext4_image
@@ -192,14 +194,6 @@ def cache_key(spec: Variant, packages: dict[str, debian.Package]) -> str:
     return h.hexdigest()[:32]
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _resolve_packages(spec: Variant, root: Path) -> dict[str, debian.Package]:
     names = [KERNEL_METAPACKAGE, BUSYBOX_PACKAGE, *spec.source_packages]
     found = debian.resolve(names, memo=root / f"apt-{spec.name}.json")
@@ -265,8 +259,8 @@ def _build_entry(spec: Variant, packages: dict[str, debian.Package], key: str, e
         for path in sorted(out.iterdir()):
             # Read-only: the pristine disk in particular must only ever be copied, never booted.
             os.chmod(path, 0o444)
-            _fsync(path)
-        _fsync(out)
+            fsync_path(path)
+        fsync_path(out)
         try:
             os.rename(out, entry)
         except OSError:

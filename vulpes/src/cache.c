@@ -970,7 +970,7 @@ static int tmp_write(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const void *obj
 /* Renames a temporary file to the object's name, creating its directories. */
 static int tmp_install(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const char *tmp_path, bool sync_dir) {
         char rel[sizeof("chunks/ab/cd/") + TAG_HEX_LEN], dir[16];
-        int r, fd;
+        int r;
 
         object_relpath(tag, rel);
         memcpy(dir, rel, 12);
@@ -984,15 +984,11 @@ static int tmp_install(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const char *t
                 }
         }
         if (sync_dir) {
-                fd = openat(c->dir_fd, dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-                if (fd < 0 || fsync(fd) < 0) {
-                        r = -errno;
+                r = file_sync_at(c->dir_fd, dir);
+                if (r < 0) {
                         log_error("failed to sync %s/%s: %s", c->dir, dir, strerror(-r));
-                        if (fd >= 0)
-                                close(fd);
                         return r;
                 }
-                close(fd);
         }
         return 0;
 }
@@ -1047,19 +1043,6 @@ int cache_batch_add(CacheBatch *b, const uint8_t tag[CACHE_TAG_LEN], const void 
         return 0;
 }
 
-/* fsync()s the file or directory at path. */
-static int sync_path(const char *path, int flags) {
-        int fd, r = 0;
-
-        fd = open(path, flags | O_CLOEXEC);
-        if (fd < 0)
-                return -errno;
-        if (fsync(fd) < 0)
-                r = -errno;
-        close(fd);
-        return r;
-}
-
 /*
  * A small batch (a guest flush of a few chunks) syncs its files and their directories one by one; a large
  * one (the background flusher, a suspend) uses one syncfs() for every temporary file and one more for
@@ -1074,7 +1057,7 @@ int cache_batch_commit(CacheBatch *b) {
         if (b->n == 0)
                 return 0;
         for (size_t i = 0; small && i < b->n; i++) {
-                r = sync_path(b->entries[i].tmp_path, O_RDONLY);
+                r = file_sync_at(AT_FDCWD, b->entries[i].tmp_path);
                 if (r < 0) {
                         log_error("failed to sync %s: %s", b->entries[i].tmp_path, strerror(-r));
                         return r;

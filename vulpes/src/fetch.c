@@ -977,16 +977,6 @@ int fetch_get_wait(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority p
         return 0;
 }
 
-int fetch_put_wait(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], const void *object, size_t len, uint64_t max_rate) {
-        Completion c = { .lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER };
-        int r;
-
-        r = fetch_put(f, tag, object, len, max_rate, completion_done, &c);
-        if (r < 0)
-                return r;
-        return completion_wait(&c);
-}
-
 void fetch_set_offline(Fetcher *f, bool offline) {
         pthread_mutex_lock(&f->lock);
         f->offline = offline;

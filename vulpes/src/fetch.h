@@ -74,7 +74,6 @@ int fetch_get_wait(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority p
  */
 int fetch_put(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], const void *object, size_t len, uint64_t max_rate,
               FetchDone done, void *userdata);
-int fetch_put_wait(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], const void *object, size_t len, uint64_t max_rate);
 
 /* Offline: nothing new starts (requests wait, they do not fail) until online again. */
 void fetch_set_offline(Fetcher *f, bool offline);

@@ -85,9 +85,21 @@ int file_write_full(int fd, const void *data, size_t len) {
         return 0;
 }
 
+int file_sync_at(int dir_fd, const char *path) {
+        int fd, r = 0;
+
+        fd = openat(dir_fd, path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0)
+                return -errno;
+        if (fsync(fd) < 0)
+                r = -errno;
+        close(fd);
+        return r;
+}
+
 int file_write_atomic(const char *path, const void *data, size_t len, unsigned mode) {
         char *tmp = NULL, *dir_copy = NULL;
-        int fd = -1, dir_fd, r = 0;
+        int fd = -1, r = 0;
 
         if (asprintf(&tmp, "%s.tmp-XXXXXX", path) < 0)
                 return -ENOMEM;
@@ -121,13 +133,9 @@ int file_write_atomic(const char *path, const void *data, size_t len, unsigned m
                 r = -ENOMEM;
                 goto out_free;
         }
-        dir_fd = open(dirname(dir_copy), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (dir_fd < 0 || fsync(dir_fd) < 0) {
-                r = -errno;
+        r = file_sync_at(AT_FDCWD, dirname(dir_copy));
+        if (r < 0)
                 log_error("failed to sync directory of %s: %s", path, strerror(-r));
-        }
-        if (dir_fd >= 0)
-                close(dir_fd);
         goto out_free;
 
 out_unlink:

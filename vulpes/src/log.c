@@ -23,10 +23,6 @@ void log_set_max_level(int level) {
         atomic_store(&max_level, level);
 }
 
-int log_get_max_level(void) {
-        return atomic_load(&max_level);
-}
-
 /* Not thread-safe: call once at start-up, before other threads exist. */
 void log_set_ident(const char *ident) {
         log_ident = ident;

@@ -5,7 +5,6 @@
 
 /* Levels are syslog's: LOG_ERR, LOG_WARNING, LOG_NOTICE, LOG_INFO, LOG_DEBUG. */
 void log_set_max_level(int level);
-int log_get_max_level(void);
 void log_set_ident(const char *ident);
 
 /* "error", "warning", "info" or "debug" (the programs' --log-level) as a level; -1 for anything else. */

@@ -509,16 +509,8 @@ static const char *vm_string(const Manifest *m, const char *key) {
         return json_string_value(json_object_get(json_object_get(m->root, "vm"), key));
 }
 
-static const char *boot_string(const Manifest *m, const char *key) {
-        return json_string_value(json_object_get(json_object_get(json_object_get(m->root, "vm"), "boot"), key));
-}
-
 const char *manifest_machine(const Manifest *m) {
         return vm_string(m, "machine");
-}
-
-const char *manifest_cpu(const Manifest *m) {
-        return vm_string(m, "cpu");
 }
 
 uint64_t manifest_smp(const Manifest *m) {
@@ -527,16 +519,4 @@ uint64_t manifest_smp(const Manifest *m) {
 
 const char *manifest_qemu_version(const Manifest *m) {
         return vm_string(m, "qemu_version");
-}
-
-const char *manifest_boot_kernel(const Manifest *m) {
-        return boot_string(m, "kernel");
-}
-
-const char *manifest_boot_initrd(const Manifest *m) {
-        return boot_string(m, "initrd");
-}
-
-const char *manifest_boot_cmdline(const Manifest *m) {
-        return boot_string(m, "cmdline");
 }

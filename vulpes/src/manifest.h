@@ -65,11 +65,7 @@ void manifest_working_set(const Manifest *m, ManifestImageId id, const uint64_t 
 /* Looks up a blob by name: 0, or -ENOENT if the manifest names no such blob. */
 int manifest_blob(const Manifest *m, const char *name, ManifestBlob *ret);
 
-/* vm fields; manifest_qemu_version() and the boot accessors return NULL when absent or null. */
+/* vm fields; manifest_qemu_version() returns NULL when absent or null. */
 const char *manifest_machine(const Manifest *m);
-const char *manifest_cpu(const Manifest *m);
 uint64_t manifest_smp(const Manifest *m);
 const char *manifest_qemu_version(const Manifest *m);
-const char *manifest_boot_kernel(const Manifest *m);
-const char *manifest_boot_initrd(const Manifest *m);
-const char *manifest_boot_cmdline(const Manifest *m);

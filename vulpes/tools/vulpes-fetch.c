@@ -45,10 +45,12 @@ enum {
 
 static const char usage_text[] =
         "usage: vulpes-fetch --cache=DIR --server=URL --token-file=FILE [options] [< TAGS]\n"
+        "       vulpes-fetch --cache=DIR --usage\n"
         "\n"
         "Fetches chunk objects (64 hex digits a line, from --tags=FILE or standard input) that DIR lacks from\n"
         "the ISR server, verifies each against its tag and stores it in the chunk cache DIR.  Needs no key.\n"
-        "Prints JSON lines: start, progress, then done, stopped or error.\n"
+        "Prints JSON lines: start, progress, then done, stopped or error.  With --usage, prints what the cache\n"
+        "holds (one JSON line: objects, bytes, pinned, evictions_total) and fetches nothing.\n"
         "\n"
         "  --cache=DIR             shared chunk cache (created if missing)\n"
         "  --server=URL            ISR server base URL (https://host:port)\n"
@@ -62,11 +64,13 @@ static const char usage_text[] =
         "  --patience=SECONDS      give up (exit 75) when the server has been unreachable this long\n"
         "                          (default 120; 0: never)\n"
         "  --progress-interval=MS  time between progress lines (default 500)\n"
+        "  --usage                 say what the cache holds, from its index, and exit\n"
         "  --log-level=LEVEL       error, warning, info (default), debug\n";
 
 typedef struct Options {
         const char *cache_dir, *server_url, *token_file, *ca_file, *pinned_key, *tags_path, *cache_limit;
         unsigned max_transfers, window, patience_s, progress_ms;
+        bool usage;
 } Options;
 
 typedef struct Run Run;
@@ -324,6 +328,7 @@ static int options_parse(int argc, char **argv, Options *o) {
                 { "patience", required_argument, NULL, 'P' },
                 { "progress-interval", required_argument, NULL, 'i' },
                 { "log-level", required_argument, NULL, 'L' },
+                { "usage", no_argument, NULL, 'u' },
                 { "help", no_argument, NULL, 'h' },
                 {},
         };
@@ -340,6 +345,7 @@ static int options_parse(int argc, char **argv, Options *o) {
                 case 'g': o->tags_path = optarg; break;
                 case 'l': o->cache_limit = optarg; break;
                 case 'h': return 1;
+                case 'u': o->usage = true; break;
                 case 'm':
                 case 'w':
                 case 'P':
@@ -370,6 +376,13 @@ static int options_parse(int argc, char **argv, Options *o) {
                 log_error("unexpected argument %s: the tags come from --tags=FILE or standard input", argv[optind]);
                 return -EINVAL;
         }
+        if (o->usage) {
+                if (!o->cache_dir) {
+                        log_error("--usage needs --cache=DIR");
+                        return -EINVAL;
+                }
+                return 0;
+        }
         if (!o->cache_dir || !o->server_url || !o->token_file) {
                 log_error("--cache=DIR, --server=URL and --token-file=FILE are required");
                 return -EINVAL;
@@ -392,6 +405,29 @@ static int options_parse(int argc, char **argv, Options *o) {
 
 /* --- main ------------------------------------------------------------------------------------------- */
 
+/* --usage: the cache's own account of itself, so that no other program walks its layout. */
+static int print_usage_of(const char *cache_dir) {
+        Cache *cache = NULL;
+        CacheStatus st;
+        int r;
+
+        r = cache_open(cache_dir, &cache);
+        if (r < 0) {
+                log_error("failed to open the cache %s: %s", cache_dir, strerror(-r));
+                return EXIT_FAILURE;
+        }
+        r = cache_status(cache, &st);
+        cache = cache_free(cache);
+        if (r < 0) {
+                log_error("failed to read the cache index of %s: %s", cache_dir, strerror(-r));
+                return EXIT_FAILURE;
+        }
+        emit(json_pack("{s:s, s:I, s:I, s:I, s:I}", "event", "usage", "objects", (json_int_t) st.objects,
+                       "bytes", (json_int_t) st.bytes, "pinned", (json_int_t) st.pinned,
+                       "evictions_total", (json_int_t) st.evictions_total));
+        return EXIT_SUCCESS;
+}
+
 int main(int argc, char **argv) {
         Options o = { .max_transfers = 16, .window = 64, .patience_s = 120, .progress_ms = 500 };
         static Stats stats;
@@ -410,6 +446,8 @@ int main(int argc, char **argv) {
                         fputs(usage_text, stdout);
                 return r > 0 ? EXIT_SUCCESS : EXIT_USAGE;
         }
+        if (o.usage)
+                return print_usage_of(o.cache_dir);
         pthread_condattr_init(&cond_attr);
         pthread_condattr_setclock(&cond_attr, CLOCK_MONOTONIC);
         pthread_cond_init(&run.cond, &cond_attr);

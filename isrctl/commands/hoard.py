@@ -1,0 +1,44 @@
+"""`isr hoard`: fetch a parcel ahead of time."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import hoard as hoardmod
+from .. import paths
+from .. import schedule as schedulemod
+from ..checkout import Client
+from ..errors import StateError
+from ..keyhoard import hoard_with_key
+from ..progress import human_bytes
+from . import common
+
+
+def cmd_hoard(args: argparse.Namespace) -> int:
+    reporter = common.make_reporter(args)
+    keyless = args.no_key
+    if not keyless and not (args.passphrase_env or args.keyfile) and not sys.stdin.isatty():
+        reporter.say("no key given and no terminal to ask for one: hoarding without the key (--no-key)")
+        keyless = True
+    with Client() as client:
+        parcel, state = common.server_state(client, args.parcel)
+        if state.busy():
+            raise StateError(f"{parcel['name']} is running at this site: a running session fetches what it needs "
+                             f"(resume with --policy lazy-ws to hoard in the background)")
+        if keyless:
+            result = hoardmod.hoard(client, parcel, "working-set" if args.working_set else "full", reporter)
+            _note_throughput(result.bytes, result.seconds)
+            reporter.say(f"hoarded {parcel['name']} version {result.need.version}: {result.chunks} chunks and "
+                         f"{len(result.need.blobs)} boot files fetched ({human_bytes(result.bytes)} in "
+                         f"{result.seconds:.1f} s); {result.need.chunk_count} chunks are now here")
+            return 0
+        with state.locked():
+            parcel_keys = client.unlock(parcel["id"], common.parcel_credential(args, parcel["name"]), state)
+            hoard_with_key(client, parcel, state, parcel_keys, working_set_only=args.working_set, reporter=reporter)
+    return 0
+
+
+def _note_throughput(nbytes: int, seconds: float) -> None:
+    """A hoard's transfer rate also informs the hoard scheduler's plans."""
+    with schedulemod.RunnerState.updating(paths.schedule_state_file()) as state:
+        state.add_sample(nbytes, seconds)

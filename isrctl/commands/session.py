@@ -1,0 +1,128 @@
+"""`isr resume`, `isr suspend`, `isr poweroff`, `isr checkin`, `isr sync`: a parcel's session at this site."""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+from parcels.manifest import IMAGES
+
+from .. import checkin as checkinmod
+from .. import config as configmod
+from .. import control, detach, paths
+from .. import policy as policymod
+from .. import session as sessionmod
+from ..checkout import Client
+from ..errors import IsrError, StateError
+from ..localstate import DAMAGED, POWEROFF, LocalChange
+from . import common
+
+log = logging.getLogger("isrctl")
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    reporter = common.make_reporter(args)
+    policymod.get(args.policy)
+    common.check_writable(paths.chunk_cache_dir(), "the chunk cache", "XDG_CACHE_HOME")
+    common.check_writable(paths.parcels_dir(), "the parcel state directory", "XDG_DATA_HOME")
+    if args.disconnected:
+        state = common.local_state(args.parcel)
+        checkout = state.require_checkout()
+        name = checkout.name
+        parcel_keys = common.unlock_local(state, args, name)
+    else:
+        with Client() as client:
+            parcel, state = common.server_state(client, args.parcel)
+            name = parcel["name"]
+            if state.busy():
+                info = state.session_info()
+                raise StateError(f"{name} is already running at this site"
+                                 f"{' (session pid ' + str(info['pid']) + ')' if info else ''}: "
+                                 f"`isr suspend {name}` first")
+            parcel_keys = client.unlock(parcel["id"], common.parcel_credential(args, name), state)
+    cfg = configmod.load()
+    first = state.checkout() is None
+    options = sessionmod.SessionOptions(
+        parcel=state.parcel, name=name, policy=args.policy, writeback=args.writeback,
+        writeback_rate=policymod.parse_rate(args.writeback_rate), disconnected=args.disconnected,
+        vnc=args.vnc, accel=args.accel or cfg.accel, lookaside=[str(Path(p).absolute()) for p in args.lookaside],
+        checkin_on_poweroff=not args.no_checkin)
+    try:
+        if args.detach:
+            info = detach.spawn_detached(options, parcel_keys, reporter)
+            print(f"session pid {info['pid']}; `isr suspend {name}` suspends it")
+            print(f"  control  {info['control']}")
+            return 0
+        code = detach.run_foreground(options, parcel_keys, reporter)
+    except BaseException:
+        if first:  # a first resume that failed before its version was here leaves no "version 0" state
+            state.forget_unfinished_checkout()
+        raise
+    if code != 0 and first:
+        state.forget_unfinished_checkout()
+    return code
+
+
+def cmd_suspend(args: argparse.Namespace) -> int:
+    return _end_session(args, "suspend")
+
+
+def _end_session(args: argparse.Namespace, op: str) -> int:
+    reporter = common.make_reporter(args)
+    state = common.local_state(args.parcel, want_session=True)
+    info = state.session_info()
+    if info is None:
+        change = state.effective_local_change()
+        if change is not None and change.state == DAMAGED:
+            raise StateError(f"no session is running; the last one crashed ({change.reason}): `isr discard` goes "
+                             f"back to the last checked-in version")
+        checkout = state.checkout()
+        raise StateError(f"{checkout.name if checkout else state.parcel} is not running at this site")
+    started = time.monotonic()
+    result = control.request(state, op, reporter, checkin=not args.no_checkin)
+    log.info("%s answered after %.2f s; waiting for the session to exit", op, time.monotonic() - started)
+    if not detach.wait_for_exit(int(info["pid"]), timeout=300):
+        raise IsrError(f"the session (pid {info['pid']}) did not exit after {op}; see {state.dir / 'session.log'}")
+    log.info("session exited after %.2f s", time.monotonic() - started)
+    if "version" in result:
+        reporter.say(f"done: {result.get('name')} is at version {result['version']}")
+    return 0
+
+
+def cmd_poweroff(args: argparse.Namespace) -> int:
+    state = common.local_state(args.parcel)
+    if state.session_info() is not None:
+        return _end_session(args, "poweroff")
+    reporter = common.make_reporter(args)
+    checkout = state.require_checkout()
+    with state.locked():
+        change = state.effective_local_change()
+        if change is not None and change.state == DAMAGED:
+            raise StateError(f"the last session crashed ({change.reason}): `isr discard {checkout.name}` first")
+        if checkout.lock is None:
+            raise StateError(f"this site does not hold the lock of {checkout.name}: `isr checkout {checkout.name}` "
+                             f"first")
+        sessionmod.forget_memory(state)
+        state.save_local_change(LocalChange(state=POWEROFF,
+                                            working_set=change.working_set if change else {i: [] for i in IMAGES}))
+        reporter.say(f"powered off {checkout.name}: the saved RAM is forgotten; the next resume boots cold")
+        if not args.no_checkin:
+            with Client() as client:
+                parcel_keys = common.unlock_local(state, args, checkout.name, client)
+                checkinmod.checkin(client, state, parcel_keys, reporter=reporter)
+    return 0
+
+
+def cmd_checkin(args: argparse.Namespace, keep_lock: bool = False) -> int:
+    reporter = common.make_reporter(args)
+    state = common.local_state(args.parcel)
+    checkout = state.require_checkout()
+    with Client() as client, state.locked():
+        parcel_keys = common.unlock_local(state, args, checkout.name, client)
+        checkinmod.checkin(client, state, parcel_keys, keep_lock=keep_lock, reporter=reporter)
+    return 0
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    return cmd_checkin(args, keep_lock=True)

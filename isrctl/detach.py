@@ -1,0 +1,214 @@
+"""Where a session's process runs: in the foreground of `isr resume`, or detached from it.
+
+Either way the session (`session.Session`) is a process of its own, in a session of its own: a Ctrl-C
+typed at the terminal goes to the terminal's foreground process group, and QEMU and vulpes must not get
+it. `isr resume` starts ``python -m isrctl.detach`` with the options on stdin and the keys through an
+inherited pipe, relays its progress until the guest runs, and then either exits (``--detach``) or stays
+in the foreground, turning Ctrl-C, SIGTERM and SIGHUP into a suspend request (`control.request`).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from parcels.parcel import ParcelKeys
+
+from . import keys as keymod
+from .control import Request, request
+from .errors import IsrError, LockBroken, LockRefused, SessionError
+from .localstate import DAMAGED, ParcelState
+from .progress import JsonReporter, Replayer, Reporter, TerminalReporter
+from .session import Session, SessionOptions
+
+log = logging.getLogger(__name__)
+
+
+def wait_for_exit(pid: int, timeout: float = 120.0) -> bool:
+    """Wait until process ``pid`` is gone; True if it went within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not process_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (exited, not yet reaped by whoever adopted it) counts as gone."""
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The state letter follows the command name in parentheses, which may itself contain spaces.
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:
+        return True
+
+
+def run_foreground(options: SessionOptions, parcel_keys: ParcelKeys, reporter: Reporter) -> int:
+    """`isr resume` without --detach: the session runs until the VM ends; Ctrl-C (SIGINT), SIGTERM or a
+    closed terminal (SIGHUP) suspend it.
+
+    The session itself is a separate process (as with --detach) in a session of its own: a Ctrl-C typed
+    at the terminal goes to the whole foreground process group, and QEMU and vulpes must not get it. This
+    process relays the start, waits, turns the signals into a suspend request and relays its progress.
+    Returns 0 when the VM was suspended or powered off cleanly, 1 otherwise.
+    """
+    state = ParcelState(options.parcel)
+    info = spawn_detached(options, parcel_keys, reporter)
+    pid = int(info["pid"])
+    log_path = state.dir / "session.log"
+    try:
+        log_offset = log_path.stat().st_size
+    except OSError:
+        log_offset = 0
+    reporter.say("running; Ctrl-C or `isr suspend` suspends it")
+    wanted: list[int] = []
+
+    def interrupted(signum: int, frame: object) -> None:
+        wanted.append(signum)
+
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, interrupted) for sig in signals}
+    try:
+        asked = False
+        while process_alive(pid):
+            if wanted and not asked:
+                asked = True
+                reporter.say("suspending")
+                try:
+                    request(state, "suspend", reporter, checkin=True)
+                except SessionError as exc:
+                    if process_alive(pid):
+                        reporter.say(f"isr: {exc}")
+                        asked = False
+                        wanted.clear()
+                        continue
+                    raise
+            time.sleep(0.1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not asked:
+        # The session ended by itself (the guest powered off, or QEMU or vulpes died): show what it said.
+        with contextlib.suppress(OSError):
+            with open(log_path, errors="replace") as f:
+                f.seek(log_offset)
+                for line in f.read().splitlines():
+                    if not line[:4].isdigit():      # its messages, not its log records
+                        reporter.say(line)
+    change = state.effective_local_change()
+    return 1 if change is not None and change.state == DAMAGED else 0
+
+
+def spawn_detached(options: SessionOptions, parcel_keys: ParcelKeys, reporter: Reporter,
+                   timeout: float = 3600.0) -> dict[str, Any]:
+    """Start a detached session process and relay its progress until the guest runs.
+
+    Returns the session's start information. Raises SessionError with the session's own message if it
+    fails to start.
+    """
+    state = ParcelState(options.parcel)
+    state.dir.mkdir(parents=True, exist_ok=True)
+    log_path = state.dir / "session.log"
+    key_fd = keymod.key_pipe(parcel_keys)
+    try:
+        with open(log_path, "ab") as log_file:
+            # Its own session: the terminal's Ctrl-C belongs to `isr resume`, not to the running VM.
+            proc = subprocess.Popen([sys.executable, "-m", "isrctl.detach"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=log_file, pass_fds=(key_fd,),
+                                    start_new_session=True)
+    finally:
+        os.close(key_fd)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write((json.dumps({"options": options.to_json(), "key_fd": key_fd}) + "\n").encode())
+    proc.stdin.close()
+    replay = Replayer(reporter)
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if replay.feed(message):
+                continue
+            if "ready" in message:
+                return dict(message["ready"])
+            if "error" in message:
+                proc.wait(timeout=120)
+                kind = message.get("kind")
+                if kind == "LockRefused":
+                    raise LockRefused(str(message["error"]), message.get("holder") or {})
+                if kind == "LockBroken":
+                    raise LockBroken(str(message["error"]))
+                raise SessionError(str(message["error"]))
+    finally:
+        replay.close()
+        proc.stdout.close()
+    proc.wait(timeout=60)
+    tail = ""
+    with contextlib.suppress(OSError):
+        tail = log_path.read_text(errors="replace")[-3000:]
+    raise SessionError(f"the session process exited with code {proc.returncode} before the VM ran:\n{tail}")
+
+
+def _detached_main() -> int:
+    """Entry of ``python -m isrctl.detach``: options on stdin, keys on an inherited fd, reports on stdout
+    until the VM runs; then stdout is pointed at the session log and the session serves."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for noisy in ("httpx", "httpcore", "qemu.qmp"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+
+    def write(text: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            out.write(text)
+            out.flush()
+
+    reporter = JsonReporter(write)
+    try:
+        request_data = json.loads(sys.stdin.readline())
+        options = SessionOptions.from_json(request_data["options"])
+        parcel_keys = keymod.read_keys_fd(int(request_data["key_fd"]))
+        session = Session(options, parcel_keys, reporter)
+        info = session.start()
+    except IsrError as exc:
+        write(json.dumps({"error": str(exc), "kind": type(exc).__name__,
+                          "holder": getattr(exc, "holder", None)}) + "\n")
+        return 1
+    except Exception as exc:
+        log.exception("session start failed")
+        write(json.dumps({"error": f"the session failed to start: {exc!r}"}) + "\n")
+        return 1
+    write(json.dumps({"ready": info}) + "\n")
+    out.close()
+    # From now on nobody reads stdout: what the session says goes to its log.
+    log_fd = os.open(session.state.dir / "session.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.dup2(log_fd, 1)
+    os.close(log_fd)
+    session.reporter = TerminalReporter(interactive=False)
+
+    def terminate(signum: int, frame: object) -> None:
+        request = Request("suspend", True, session.reporter)
+        request.answered.set()  # nobody waits for an answer: the log has it
+        session.submit(request)
+
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, terminate)
+    return session.serve()
+
+
+if __name__ == "__main__":
+    sys.exit(_detached_main())

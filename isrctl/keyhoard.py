@@ -1,0 +1,91 @@
+"""Hoarding with the parcel key (`isr hoard` with a credential): vulpes itself fetches the version's chunks,
+all of them or its working set, into the shared cache, as a resume here would, and the boot files are
+filed. Without the key, `hoard` does it (vulpes-fetch, for `isr hoard --no-key` and the scheduler).
+
+The keyrings come from this site's checkout when it is of the newest version (or this site holds the lock);
+otherwise the newest version's keyrings are fetched into a scratch directory, used, and removed.
+"""
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from parcels.chunk import chunk_count
+from parcels.keyring import Keyring
+from parcels.manifest import IMAGES, open_keyring, open_manifest
+from parcels.parcel import ParcelKeys
+from parcels.store import KEYRING_FILES
+
+from . import paths, workingset
+from .checkout import Client
+from .errors import StateError
+from .localstate import POWEROFF, SUSPENDED, ParcelState
+from .progress import Reporter
+from .vulpes import Vulpes
+
+
+def hoard_with_key(client: Client, parcel: dict[str, Any], state: ParcelState, parcel_keys: ParcelKeys, *,
+                   working_set_only: bool, reporter: Reporter) -> None:
+    """Hoard the newest version of ``parcel`` (everything, or its working set) with its keys; the caller holds
+    the parcel's state lock."""
+    checkout = state.checkout()
+    change = state.effective_local_change()
+    current = int(client.remote.parcel(parcel["id"]).get("current_version") or 0)
+    if current == 0:
+        raise StateError(f"{parcel['name']} has no version to hoard")
+    use_local = checkout is not None and (checkout.lock is not None or
+                                          (checkout.version == current and change is None))
+    if use_local:
+        assert checkout is not None
+        manifest = open_manifest(parcel_keys.parcel_key, state.base_manifest_sealed(),
+                                 parcel=uuid.UUID(state.parcel), version=checkout.version)
+        if change is not None and change.state in (SUSPENDED, POWEROFF):
+            counts = {image: chunk_count(manifest.chunk_size, manifest.images[image].size)
+                      for image in IMAGES}
+            working_set, problem = workingset.checked(change.working_set, counts)
+            if problem is not None and working_set_only:
+                reporter.say(f"warning: the working set recorded here is ignored ({problem})")
+        else:
+            working_set = manifest.working_set
+        hoard_dir = state.dir
+    else:
+        _, manifest = client.fetch_manifest(parcel["id"], current, parcel_keys)
+        hoard_dir = state.dir / "hoard"
+        shutil.rmtree(hoard_dir, ignore_errors=True)
+        hoard_dir.mkdir(parents=True)
+        for image in IMAGES:
+            sealed = client.remote.get_blob(parcel["id"], current, KEYRING_FILES[image])
+            records = open_keyring(parcel_keys.parcel_key, sealed, manifest, image)
+            with Keyring.create(hoard_dir / f"keyring.{image}", manifest.chunk_size,
+                                manifest.images[image].size) as keyring:
+                keyring.put_many(records)
+        working_set = manifest.working_set
+    client.boot_blobs(state, manifest, parcel_keys, reporter)
+    what = "the working set" if working_set_only else "everything"
+    reporter.say(f"hoarding {what} of {parcel['name']} version {manifest.version}")
+    try:
+        _run(hoard_dir, state, parcel_keys, client, reporter, working_set=working_set if working_set_only else None)
+    finally:
+        if hoard_dir != state.dir:
+            shutil.rmtree(hoard_dir, ignore_errors=True)
+
+
+def _run(state_dir: Path, state: ParcelState, parcel_keys: ParcelKeys, client: Client, reporter: Reporter, *,
+         working_set: dict[str, list[int]] | None) -> None:
+    runtime = paths.parcel_runtime_dir(state.parcel)
+    paths.chunk_cache_dir().mkdir(parents=True, exist_ok=True)
+    daemon = Vulpes(mountpoint=runtime / "hoard-mnt", state_dir=state_dir, cache_dir=paths.chunk_cache_dir(),
+                    control_path=runtime / "hoard.sock", log_path=state.dir / "vulpes.log",
+                    server=client.config.server, token_file=paths.token_file(), pin=client.config.pin,
+                    cache_limit=client.config.cache_limit)
+    daemon.start(parcel_keys)
+    try:
+        if working_set is None:
+            daemon.hoard_and_wait(reporter, "hoarding", everything=True)
+        else:
+            daemon.hoard_and_wait(reporter, "hoarding", disk=working_set.get("disk", []),
+                                  memory=working_set.get("memory", []))
+    finally:
+        daemon.stop()
