@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from isrctl.vulpes import CacheUsage, cache_usage
 from tests.vulpes_fixtures import FaultServer, chunk_path, make_state, random_image, vulpes_binary  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,6 +66,15 @@ def test_fetches_verified_objects_and_reports_what_is_missing(vulpes_binary: Pat
         assert code == 0, stderr
         assert lines[0]["cached"] == len(tags) - 1 and lines[0]["wanted"] == 0 and lines[-1]["event"] == "done"
         assert server.requests == asked
+        # The cache's own account of itself, as `isr stat` asks for it.
+        usage = subprocess.run([str(vulpes_binary.with_name("vulpes-fetch")), f"--cache={tmp_path / 'cache'}",
+                                "--usage"], capture_output=True, text=True, timeout=30)
+        assert usage.returncode == 0, usage.stderr
+        stored = sum(len(state.objects[t]) for t in tags if t != absent)
+        assert json.loads(usage.stdout) == {"event": "usage", "objects": len(tags) - 1, "bytes": stored,
+                                            "pinned": 0, "evictions_total": 0}
+        assert cache_usage(tmp_path / "cache") == CacheUsage(objects=len(tags) - 1, bytes=stored)
+        assert cache_usage(tmp_path / "no-cache-here") == CacheUsage()
     finally:
         server.stop()
 
@@ -112,3 +122,6 @@ def test_bad_input_is_one_line(vulpes_binary: Path, tmp_path: Path) -> None:
     result = subprocess.run(command(vulpes_binary, server, tmp_path, "--window=0"), capture_output=True, text=True,
                             timeout=30)
     assert result.returncode == 2 and result.stderr.count("\n") == 1
+    result = subprocess.run([str(vulpes_binary.with_name("vulpes-fetch")), "--usage"], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 2 and result.stderr == "vulpes-fetch: --usage needs --cache=DIR\n"
