@@ -22,6 +22,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from isrprogress import NullReporter, Reporter
 from parcels import crypto, seal
 from parcels.chunk import chunk_count
 from parcels.keyring import HEADER_SIZE, RECORD_SIZE, decode_stream
@@ -33,7 +34,6 @@ from . import paths, workingset
 from .checkout import Client, lock_broken_message
 from .errors import CheckinError, LockBroken, LockNotReleased, StateError
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, Checkout, LocalChange, ParcelState
-from .progress import NullReporter, Reporter
 from .remote import ChunksMissing, LockLost, Remote, RemoteError, VersionConflict
 from .vulpes import cache_object_path
 

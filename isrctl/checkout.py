@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from isrprogress import NullReporter, Reporter
 from parcels import crypto
 from parcels.errors import ParcelError
 from parcels.manifest import IMAGES, Manifest, open_blob, open_keyring, open_manifest
@@ -31,7 +32,6 @@ from . import config as configmod
 from . import keys as keymod
 from .errors import CheckinError, IsrError, LockBroken, LockRefused, StateError
 from .localstate import Checkout, LockInfo, ParcelState, write_file
-from .progress import NullReporter, Reporter
 from .remote import LockHeld, LockLost, Remote, RemoteError
 
 log = logging.getLogger(__name__)

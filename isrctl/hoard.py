@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isrprogress import NullReporter, Reporter, human_bytes
 from parcels.store import KEYRING_FILES, MANIFEST
 
 from . import paths
 from .checkout import Client, link_file
 from .errors import HoardStopped, IsrError, StateError
 from .localstate import ParcelState, write_file
-from .progress import NullReporter, Reporter, human_bytes
 from .vulpes import ChunkFetch, cache_object_path
 
 log = logging.getLogger(__name__)

@@ -39,10 +39,11 @@ from zoneinfo import ZoneInfo
 
 import tomli_w
 
+from isrprogress import human_bytes
+
 from . import calendar as ical
 from .config import write_private
 from .errors import HoardStopped, IsrError
-from .progress import human_bytes
 
 log = logging.getLogger(__name__)
 

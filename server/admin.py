@@ -2,7 +2,9 @@
 
 It reads the same configuration as isr-server and works directly on the metadata database and the object
 store, so it needs no running server. Everything that changes a parcel's versions takes the parcel's lock
-like a client does. ``--json`` prints machine-readable output; errors are one line on stderr.
+like a client does. ``--json`` prints machine-readable output; errors are one line on stderr. Long work
+(create, gc, fsck) shows its progress through `isrprogress`: bars on a terminal, plain lines otherwise, on
+stdout (on stderr with ``--json``, which keeps stdout for the JSON).
 """
 from __future__ import annotations
 
@@ -15,13 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from isrprogress import Reporter, TerminalReporter, human_bytes as size
+
 from . import auth, names, ops
 from .config import Config
 from .errors import ApiError, ServerError
 from .main import load_config
 from .meta import open_meta
 from .meta.sql import SqlMeta
-from .progress import ProgressBar, human_size as size
 from .store import ObjectStore, open_store
 
 
@@ -62,7 +65,7 @@ def _password(args: argparse.Namespace, what: str = "password") -> str:
     if not sys.stdin.isatty():
         raise AdminError(f"give --password-file (or run on a terminal to be asked for the {what})")
     first = getpass.getpass(f"new {what}: ")
-    if first != getpass.getpass(f"again: "):
+    if first != getpass.getpass("again: "):
         raise AdminError(f"the two {what}s differ")
     if not first:
         raise AdminError(f"the {what} must not be empty")
@@ -95,6 +98,7 @@ class Admin:
         self.may_create = may_create
         self._meta: SqlMeta | None = None
         self._store: ObjectStore | None = None
+        self.reporter: Reporter = TerminalReporter(sys.stderr if as_json else sys.stdout)
 
     @property
     def meta(self) -> SqlMeta:
@@ -130,9 +134,6 @@ class Admin:
             text = human()
             if text:
                 print(text)
-
-    def progress(self, label: str) -> ProgressBar:
-        return ProgressBar(label)
 
     def parcel_id(self, text: str) -> str:
         """A parcel by UUID or as owner/name."""
@@ -190,11 +191,10 @@ class Admin:
         boot: dict[str, Any] = {}
         if args.kernel:
             boot = {"kernel": args.kernel, "initrd": args.initrd, "cmdline": args.cmdline or ""}
-        with self.progress(f"encrypting {Path(args.disk).name}") as bar:
-            parcel = ops.create_parcel(self.meta, self.store, owner=args.owner, name=args.name, disk=args.disk,
-                                       ram_mib=args.ram, passphrase=passphrase, keyfile=keyfile, vm=vm or None,
-                                       boot=boot or None, chunk_size=args.chunk_size, log2n=args.scrypt_log2n,
-                                       progress=bar)
+        parcel = ops.create_parcel(self.meta, self.store, owner=args.owner, name=args.name, disk=args.disk,
+                                   ram_mib=args.ram, passphrase=passphrase, keyfile=keyfile, vm=vm or None,
+                                   boot=boot or None, chunk_size=args.chunk_size, log2n=args.scrypt_log2n,
+                                   reporter=self.reporter)
         self.out(self._parcel_json(parcel), lambda: f"created parcel {parcel} ({args.owner}/{args.name}), version 1")
 
     def _parcel_json(self, parcel: str) -> dict[str, Any]:
@@ -303,8 +303,7 @@ class Admin:
 
     def gc(self, args: argparse.Namespace) -> None:
         grace = args.grace if args.grace is not None else self.config["server.gc_grace_seconds"]
-        with self.progress("deleting unreferenced chunks") as bar:
-            stats = ops.gc(self.meta, self.store, grace, progress=bar, dry_run=args.dry_run)
+        stats = ops.gc(self.meta, self.store, grace, reporter=self.reporter, dry_run=args.dry_run)
         self.out(stats, lambda: (f"{stats['candidates']} unreferenced chunk(s) older than {grace} s"
                                  if stats["dry_run"] else
                                  f"deleted {stats['deleted']} chunk(s), {size(stats['deleted_bytes'])}; "
@@ -312,8 +311,7 @@ class Admin:
                                  f"staged blob(s)"))
 
     def fsck(self, args: argparse.Namespace) -> None:
-        with self.progress("re-hashing chunks") as bar:
-            report = ops.fsck(self.meta, self.store, progress=bar, repair=args.repair)
+        report = ops.fsck(self.meta, self.store, reporter=self.reporter, repair=args.repair)
 
         def human() -> str:
             lines = [f"checked {report['chunks_checked']} chunk object(s) and {report['versions_checked']} version(s)"]

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from isrprogress import NullReporter, Reporter
+
 from . import auth
 from .errors import Conflict, NotFound, ServerError
 from .meta.sql import SqlMeta, unpack_tags
@@ -111,9 +113,10 @@ def create_parcel(meta: SqlMeta, store: ObjectStore, *, owner: str, name: str, d
                   ram_mib: int, passphrase: str | None = None, keyfile: bytes | None = None,
                   vm: dict[str, Any] | None = None, boot: dict[str, Any] | None = None,
                   chunk_size: int | None = None, log2n: int | None = None,
-                  progress: Progress | None = None, tmpdir: str | None = None) -> str:
+                  reporter: Reporter | None = None, tmpdir: str | None = None) -> str:
     """Create a parcel for `owner` from a raw or qcow2 disk image, encrypted under the owner's passphrase
-    or key file, and import it as version 1. Returns the new parcel's UUID.
+    or key file, and import it as version 1. Returns the new parcel's UUID. ``reporter`` shows the
+    encryption and the import of the chunks.
 
     The parcel is built by `parcels.parcel.create_parcel` in a temporary local store (the server never
     keeps the keys), then its chunks, key envelope and version 1 are put into the configured backend.
@@ -121,6 +124,7 @@ def create_parcel(meta: SqlMeta, store: ObjectStore, *, owner: str, name: str, d
     from parcels.parcel import create_parcel as build_parcel
     from parcels.store import DirStore
 
+    reporter = reporter or NullReporter()
     found = meta.get_user(owner)
     if found is None:
         raise NotFound(f"no user {owner}")
@@ -135,11 +139,14 @@ def create_parcel(meta: SqlMeta, store: ObjectStore, *, owner: str, name: str, d
             kwargs["chunk_size"] = chunk_size
         if log2n is not None:
             kwargs["log2n"] = log2n
-        parcel_uuid = build_parcel(local, name=name, disk=disk, ram_mib=ram_mib, vm=vm, boot=boot,
-                                   passphrase=passphrase, keyfile=keyfile, progress=progress, tmpdir=tmp, **kwargs)
+        with reporter.progress(f"encrypting {Path(disk).name}", 0) as bar:
+            parcel_uuid = build_parcel(local, name=name, disk=disk, ram_mib=ram_mib, vm=vm, boot=boot,
+                                       passphrase=passphrase, keyfile=keyfile, progress=bar.update, tmpdir=tmp,
+                                       **kwargs)
         parcel = str(parcel_uuid)
         root = Path(tmp) / "store"
-        tags = import_chunks(meta, store, root)
+        with reporter.progress("storing chunks", 0) as bar:
+            tags = import_chunks(meta, store, root, progress=bar.update)
         vdir = root / "parcels" / parcel / "versions" / "1"
         blobs: dict[str, bytes | str] = {p.name: p.read_bytes() for p in sorted(vdir.iterdir()) if p.is_file()}
         envelope = (root / "parcels" / parcel / "keyenvelope").read_bytes()
@@ -154,16 +161,21 @@ def create_parcel(meta: SqlMeta, store: ObjectStore, *, owner: str, name: str, d
 
 
 def import_chunks(meta: SqlMeta, store: ObjectStore, local_root: Path, progress: Progress | None = None) -> list[str]:
-    """Put every chunk object of a local parcel store into the server's store; return their tags."""
+    """Put every chunk object of a local parcel store into the server's store; return their tags.
+    ``progress`` gets the bytes stored so far and the total."""
     from .names import TAG_RE
 
     files = [p for p in (local_root / "chunks").glob("*/*/*") if TAG_RE.fullmatch(p.name)]
+    total = sum(p.stat().st_size for p in files)
     tags = []
-    for i, path in enumerate(files):
-        store_chunk(meta, store, path.name, path.read_bytes())
+    done = 0
+    for path in files:
+        data = path.read_bytes()
+        store_chunk(meta, store, path.name, data)
         tags.append(path.name)
+        done += len(data)
         if progress is not None:
-            progress(i + 1, len(files))
+            progress(done, total)
     return tags
 
 
@@ -270,7 +282,7 @@ def prune(meta: SqlMeta, store: ObjectStore, parcel: str, keep: int) -> list[int
 ORPHAN_MIN_AGE = 60.0
 
 
-def gc(meta: SqlMeta, store: ObjectStore, grace: float, progress: Progress | None = None,
+def gc(meta: SqlMeta, store: ObjectStore, grace: float, reporter: Reporter | None = None,
        dry_run: bool = False) -> dict[str, Any]:
     """Delete chunk objects no version references, and stale staging areas.
 
@@ -293,10 +305,10 @@ def gc(meta: SqlMeta, store: ObjectStore, grace: float, progress: Progress | Non
     # Also finish what an interrupted gc left marked.
     doomed = meta.chunk_doomed()
     sizes = meta.chunk_sizes(doomed)
-    for i, tag in enumerate(doomed):
-        store.delete(chunk_key(tag))
-        if progress is not None:
-            progress(i + 1, len(doomed))
+    with (reporter or NullReporter()).progress("deleting unreferenced chunks", len(doomed), "chunks") as bar:
+        for i, tag in enumerate(doomed):
+            store.delete(chunk_key(tag))
+            bar.update(i + 1)
     meta.chunk_forget(doomed, only_doomed=True)
     stats["deleted"] = len(doomed)
     stats["deleted_bytes"] = sum(sizes.values())
@@ -322,7 +334,7 @@ def gc(meta: SqlMeta, store: ObjectStore, grace: float, progress: Progress | Non
     return stats
 
 
-def fsck(meta: SqlMeta, store: ObjectStore, progress: Progress | None = None, repair: bool = False
+def fsck(meta: SqlMeta, store: ObjectStore, reporter: Reporter | None = None, repair: bool = False
          ) -> dict[str, Any]:
     """Re-hash every stored chunk object; report corrupt, missing and unindexed ones, and every version
     that is not complete (a missing blob or chunk). With `repair`, corrupt objects are deleted and their
@@ -332,16 +344,18 @@ def fsck(meta: SqlMeta, store: ObjectStore, progress: Progress | None = None, re
     corrupt: list[str] = []
     unindexed: list[str] = []
     present: set[str] = set()
-    for i, (tag, info) in enumerate(objects):
-        data = store.get_bytes(info.key)
-        if hashlib.sha256(data).hexdigest() != tag:
-            corrupt.append(tag)
-        else:
-            present.add(tag)
-        if tag not in rows:
-            unindexed.append(tag)
-        if progress is not None:
-            progress(i + 1, len(objects))
+    hashed = 0
+    with (reporter or NullReporter()).progress("re-hashing chunks", sum(info.size for _, info in objects)) as bar:
+        for tag, info in objects:
+            data = store.get_bytes(info.key)
+            if hashlib.sha256(data).hexdigest() != tag:
+                corrupt.append(tag)
+            else:
+                present.add(tag)
+            if tag not in rows:
+                unindexed.append(tag)
+            hashed += len(data)
+            bar.update(hashed)
     missing = sorted(tag for tag, row in rows.items() if row.state == 0 and tag not in present and tag not in corrupt)
     bad = set(corrupt) | set(missing)
     incomplete: list[dict[str, Any]] = []
