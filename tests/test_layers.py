@@ -1,7 +1,7 @@
 """The layering contracts of pyproject.toml ([tool.importlinter]) hold, and the checker does catch a breach.
 
-parcels/ (the format) imports nothing of ours; isrctl/ and server/ build on it and never import each other;
-tools/ may import anything. doc/README.md draws the same picture.
+parcels/ (the format) and isrprogress/ (progress output) import nothing of ours; isrctl/ and server/ build on
+them and never import each other; tools/ may import anything. doc/README.md draws the same picture.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import SOURCE_DIR
 
-PACKAGES = ("parcels", "isrctl", "server", "tools")
+PACKAGES = ("parcels", "isrprogress", "isrctl", "server", "tools")
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
@@ -34,6 +34,7 @@ def test_the_import_contracts_are_kept() -> None:
     ("parcels/errors.py", "import isrctl.errors"),
     ("isrctl/errors.py", "import server.errors"),
     ("server/errors.py", "import tools.guest"),
+    ("isrprogress/__init__.py", "import parcels.errors"),
 ])
 def test_a_forbidden_import_breaks_a_contract(tmp_path: Path, module: str, line: str) -> None:
     for name in PACKAGES:
