@@ -23,9 +23,9 @@ from typing import Any
 from isrprogress import NullReporter, Reporter
 from parcels import crypto
 from parcels.errors import ParcelError
+from parcels.keyring import encode_stream
 from parcels.manifest import IMAGES, Manifest, open_blob, open_keyring, open_manifest
 from parcels.parcel import ParcelKeys
-from parcels.keyring import encode_stream
 from parcels.store import KEYRING_FILES, MANIFEST
 
 from . import config as configmod

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from isrprogress import NullReporter, Reporter, human_bytes
+from parcels import resumepack
 from parcels.store import KEYRING_FILES, MANIFEST
 
 from . import paths
@@ -40,7 +41,7 @@ from .vulpes import ChunkFetch, cache_object_path
 log = logging.getLogger(__name__)
 
 #: Blobs every version has of its own and every resume fetches: not worth keeping ahead of time.
-PER_VERSION_BLOBS = frozenset({MANIFEST, *KEYRING_FILES.values(), "devstate"})
+PER_VERSION_BLOBS = frozenset({MANIFEST, *KEYRING_FILES.values(), "devstate", resumepack.BLOB_NAME})
 _VERSION_BLOB = re.compile(r"v([0-9]+)\.(.+)")
 
 

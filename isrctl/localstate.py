@@ -101,13 +101,15 @@ class Checkout:
 class LocalChange:
     """``local.json``: how the local state differs from the base version.
 
-    ``devstate`` is the payload digest and size of ``local/devstate`` (state SUSPENDED); ``working_set``
-    the chunk indices the guest touched first, per image; ``reason`` says why the state is DAMAGED.
+    ``devstate`` is the payload digest and size of ``local/devstate`` (state SUSPENDED), ``resume_pack``
+    those of ``local/resumepack`` if the suspend made one (`isrctl.pack`); ``working_set`` the chunk
+    indices the guest touched first, per image; ``reason`` says why the state is DAMAGED.
     """
 
     state: str
     since: float = field(default_factory=time.time)
     devstate: dict[str, Any] | None = None
+    resume_pack: dict[str, Any] | None = None
     qemu_version: str | None = None
     suspended_at: str | None = None
     working_set: dict[str, list[int]] = field(default_factory=lambda: {"disk": [], "memory": []})
@@ -240,7 +242,8 @@ class ParcelState:
 
     def clear_local_change(self) -> None:
         _remove(self.dir / LOCAL)
-        _remove(self.dir / "local" / "devstate")
+        _remove(self.local_devstate_path())
+        _remove(self.local_pack_path())
 
     def effective_local_change(self) -> LocalChange | None:
         """`local_change`, except that a RUNNING state whose session is gone is reported as DAMAGED (the
@@ -277,6 +280,10 @@ class ParcelState:
 
     def local_devstate_path(self) -> Path:
         return self.dir / "local" / "devstate"
+
+    def local_pack_path(self) -> Path:
+        """The sealed resume pack of a local suspend not yet checked in."""
+        return self.dir / "local" / "resumepack"
 
     def envelope(self) -> bytes | None:
         with contextlib.suppress(FileNotFoundError):

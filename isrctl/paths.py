@@ -118,3 +118,14 @@ def listen_private(path: Path, backlog: int) -> socket.socket:
     os.chmod(path, 0o600)
     listener.listen(backlog)
     return listener
+
+
+def memory_file(name: str, data: bytes) -> tuple[int, Path]:
+    """An anonymous in-memory file holding ``data`` and a path another process (QEMU, vulpes) can open it by,
+    so that plaintext (boot files, a resume pack) is handed on without touching a disk. Close the descriptor
+    once the other process has read it."""
+    fd = os.memfd_create(f"isr-{name}", os.MFD_CLOEXEC)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    return fd, Path(f"/proc/{os.getpid()}/fd/{fd}")

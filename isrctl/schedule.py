@@ -19,9 +19,9 @@ The `Inventory` and `Hoarder` it uses in `isr schedule run` are `hoard.ServerInv
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
-import contextlib
 import fcntl
 import json
 import logging

@@ -51,7 +51,7 @@ from parcels.keyring import Keyring, encode_stream
 from parcels.manifest import IMAGES, Manifest, open_blob, open_manifest, utc_now
 from parcels.parcel import ParcelKeys
 
-from . import compat, paths, workingset
+from . import compat, pack, paths, workingset
 from . import config as configmod
 from . import policy as policymod
 from .accel import kvm_works
@@ -104,16 +104,6 @@ class SessionOptions:
         return cls(**data)
 
 
-def _memfd(name: str, data: bytes) -> tuple[int, Path]:
-    """An anonymous in-memory file holding ``data`` and a path other processes (QEMU) can open it by, so
-    plaintext boot files never touch a disk."""
-    fd = os.memfd_create(f"isr-{name}", os.MFD_CLOEXEC)
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-    return fd, Path(f"/proc/{os.getpid()}/fd/{fd}")
-
-
 def _free_vnc_display() -> str:
     for display in range(0, 100):
         with socket.socket() as s:
@@ -145,6 +135,8 @@ class Session:
         self.manifest: Manifest | None = None
         self.base_version = 0
         self.trace_path: Path | None = None
+        #: The guest continued from a saved state (not a cold boot): its trace can make the next resume pack.
+        self.resumed = False
         self.vnc_text = "none"
         self._vnc: str | None = None
         self.host: compat.HostQemu | None = None
@@ -261,6 +253,12 @@ class Session:
         t = self._phase("vulpes", t)
         self._apply_policy_before(manifest, change)
         t = self._phase("hoard", t)
+        self.resumed = devstate is not None
+        if self.resumed and change is None and self.client is not None and pack.worth_loading(self.state, manifest):
+            used = pack.load(self.client.remote, self.state, manifest, self.keys, self.vulpes)
+            t = self._phase("resume pack", t)
+            if used:
+                self.reporter.say(f"  resume pack: {used / 2**20:.1f} MiB of memory ready before its chunks")
         self._start_vm(manifest, boot, devstate)
         t = self._phase("qemu", t)
         self._guest_started = True
@@ -401,10 +399,10 @@ class Session:
         kernel = initrd = None
         cmdline = None
         if vm.boot is not None and boot is not None:
-            fd, kernel = _memfd("kernel", boot[vm.boot.kernel])
+            fd, kernel = paths.memory_file("kernel", boot[vm.boot.kernel])
             self._memfds.append(fd)
             if vm.boot.initrd:
-                fd, initrd = _memfd("initrd", boot[vm.boot.initrd])
+                fd, initrd = paths.memory_file("initrd", boot[vm.boot.initrd])
                 self._memfds.append(fd)
             cmdline = vm.boot.cmdline
         if self._vnc is None and vm.devices.get("display", "vnc") == "vnc":
@@ -670,7 +668,11 @@ class Session:
             self.ending = True
             self.vm.shutdown()
             t = _lap(phases, "quit QEMU", t)
+            resume_pack = self._make_resume_pack()
+            if resume_pack is not None:
+                t = _lap(phases, "resume pack", t)
             change = LocalChange(state=SUSPENDED, devstate={"sha256": payload_digest, "size": size},
+                                 resume_pack=resume_pack,
                                  qemu_version=self.host.version if self.host else None, suspended_at=utc_now(),
                                  working_set=self._trace_working_set(), base_suspended=self.manifest.suspended)
             reporter.say(f"suspended {self.options.name}: device state {size / 2**20:.1f} MiB "
@@ -739,6 +741,22 @@ class Session:
             return True
         except RemoteError:
             return False
+
+    def _make_resume_pack(self) -> dict[str, Any] | None:
+        """Seal this session's resume pack into ``local/resumepack``; its digest and size, or None (the guest
+        booted cold here, the trace holds no memory reads, or the pack could not be made: it is optional)."""
+        assert self.vulpes is not None and self.manifest is not None
+        if not self.resumed or self.trace_path is None:
+            return None
+        try:
+            payload = pack.build(self.trace_path, self.vulpes.memory, self.manifest.images["memory"].size)
+            if payload is None:
+                return None
+            write_file(self.state.local_pack_path(), pack.seal_pack(self.keys, payload))
+        except (OSError, ParcelError) as exc:
+            log.warning("this suspend makes no resume pack: %s", exc)
+            return None
+        return {"sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)}
 
     def _trace_working_set(self) -> dict[str, list[int]]:
         assert self.manifest is not None

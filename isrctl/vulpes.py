@@ -31,6 +31,7 @@ from parcels.parcel import ParcelKeys
 from parcels.store import chunk_object_name
 
 from . import keys as keymod
+from . import paths
 from .errors import HoardStopped, VulpesFailure
 from .progress import Reporter, human_bytes
 
@@ -216,6 +217,14 @@ class Vulpes:
         """The full status report (images, I/O, fetch, cache, hoard, writeback, trace)."""
         status: dict[str, Any] = self.control({"op": "status"})["status"]
         return status
+
+    def preload(self, image: str, payload: bytes) -> None:
+        """Hand vulpes the resume pack of ``image`` (`isrctl.pack`), through RAM only."""
+        fd, path = paths.memory_file(f"{image}-pack", payload)
+        try:
+            self.control({"op": "preload", "image": image, "path": str(path)})
+        finally:
+            os.close(fd)
 
     def flush(self) -> None:
         """Make every write vulpes has acknowledged durable (chunk objects and keyring records)."""

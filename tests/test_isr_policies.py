@@ -10,13 +10,19 @@ disk image is e2fsck-clean.
 from __future__ import annotations
 
 import re
+import uuid
 from pathlib import Path
 
 import pytest
 
+from isrctl import pack
+from parcels import parcel as parcel_ops
+from parcels import resumepack
+from parcels.manifest import Manifest
+from parcels.store import DirStore
 from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
-from tests.isr_fixtures import (IsrEnv, NetSite, check_continues, isr_env, make_changes, nets,  # noqa: F401
-                                sites)
+from tests.isr_fixtures import (IsrEnv, NetSite, Parcel, check_continues, isr_env, make_changes,  # noqa: F401
+                                nets, sites)
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -104,3 +110,50 @@ def test_guest_continues_at_the_other_site(policy: str, isr_env: IsrEnv, nets: l
             assert console.check(f"md5sum {more.file}").split()[0] == more.digest
         a.isr("suspend", parcel.name, "--no-checkin")
         a.wait_session_end(parcel)
+
+
+def committed_manifest(env: IsrEnv, parcel: Parcel, version: int) -> Manifest:
+    store = DirStore(env.store)
+    keys = parcel_ops.unlock(store, uuid.UUID(parcel.id), keyfile=parcel.keyfile.read_bytes())
+    return parcel_ops.open_version(store, uuid.UUID(parcel.id), version, keys).manifest
+
+
+def test_resume_pack_serves_the_next_fresh_site(isr_env: IsrEnv, nets: list[NetSite], tmp_path: Path) -> None:
+    """A session that resumed makes a resume pack at suspend (REAP's record of what the guest touched first);
+    the next resume at a fresh site loads it into vulpes, which serves those bytes before their chunks. A
+    session that booted cold makes none."""
+    parcel = isr_env.make_parcel("p-pack")
+    with sites(isr_env, tmp_path, ["A", "B", "C"], [nets[0], nets[1], nets[0]]) as (a, b, c):
+        a.resume(parcel, "--policy", "demand")
+        with a.console(parcel) as console:
+            console.wait_ready(90)
+            marks = make_changes(console, "site-a", megabytes=1)
+        assert "committed version 2" in a.isr("suspend", parcel.name).stdout
+        a.wait_session_end(parcel)
+        assert resumepack.BLOB_NAME not in committed_manifest(isr_env, parcel, 2).blobs   # A booted cold
+
+        out = b.resume(parcel, "--policy", "demand").stdout
+        assert "resume pack" not in out, out
+        with b.console(parcel) as console:
+            check_continues(console, marks)
+            marks = make_changes(console, "site-b", megabytes=1)
+        out = b.isr("suspend", parcel.name).stdout
+        assert "committed version 3" in out, out
+        b.wait_session_end(parcel)
+        manifest = committed_manifest(isr_env, parcel, 3)
+        size = manifest.blobs[resumepack.BLOB_NAME].size
+        assert 0 < size <= 2 * pack.PACK_BYTES, size
+
+        out = c.resume(parcel, "--policy", "demand").stdout
+        match = re.search(r"resume pack: ([0-9.]+) MiB of memory ready before its chunks", out)
+        assert match and float(match.group(1)) > 0, out
+        vulpes = c.stat(parcel)["session_status"]["vulpes"]
+        print(f"site C resume:\n{out}\npack {size} bytes, vulpes hits {vulpes['hits']}")
+        assert vulpes["images"]["memory"]["pack_bytes"] > 0
+        assert vulpes["hits"]["pack"] > 0, vulpes["hits"]
+        with c.console(parcel) as console:
+            check_continues(console, marks)
+            console.request_poweroff()
+        c.wait_session_end(parcel)
+        assert isr_env.current_version(parcel) == 4
+        assert resumepack.BLOB_NAME not in committed_manifest(isr_env, parcel, 4).blobs   # powered off

@@ -23,7 +23,7 @@ an image column every access is to the image ``disk``. Byte granularity: any off
     1795324586.844788 disk 17 r cache 2228224 4096
 
 one line per chunk access: wall-clock time, image name, chunk index, ``r``/``w``, where the access was
-satisfied (ram, cache, lookaside, server, zero, new), and the bytes of the image it touched in that chunk
+satisfied (ram, cache, lookaside, server, zero, new, pack), and the bytes of the image it touched in that chunk
 (offset, length): byte granularity. Version 1 (vulpes before 2026-11) had no offset and length; such a run
 only knows which chunk was touched, so its *granularity* is the chunk size: a simulation with smaller
 chunks than that cannot say more than the trace knows (see `Trace.granularity`). A file may hold several
@@ -51,7 +51,7 @@ CSV_COLUMNS = ("time_s", "offset", "length", "op")
 VULPES_MAGIC = "# vulpes-trace"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 #: vulpes' "source" names (StatsTier in vulpes/src/stats.h).
-VULPES_SOURCES = ("ram", "cache", "lookaside", "server", "zero", "new")
+VULPES_SOURCES = ("ram", "cache", "lookaside", "server", "zero", "new", "pack")
 
 
 @dataclass(frozen=True, slots=True)

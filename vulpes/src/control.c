@@ -26,7 +26,10 @@
 
 #include <jansson.h>
 
+#include "crypto.h"
+#include "file.h"
 #include "log.h"
+#include "pack.h"
 
 enum {
         REQUEST_MAX = 16 << 20,       /* a hoard list of a million chunks fits */
@@ -124,6 +127,37 @@ static int hoard_target(json_t *value, HoardTarget *ret) {
         return 0;
 }
 
+/*
+ * {"op": "preload", "image": "memory", "path": P}: the resume pack of an image, read from P (isr passes a
+ * memfd as /proc/<pid>/fd/<n>, so the plaintext never touches a disk).
+ */
+static json_t *op_preload(Control *c, json_t *request) {
+        const char *name = json_string_value(json_object_get(request, "image"));
+        const char *path = json_string_value(json_object_get(request, "path"));
+        Image *img = NULL;
+        uint8_t *data;
+        size_t len;
+        int r;
+
+        for (int i = 0; name && i < _DAEMON_IMAGE_MAX; i++)
+                if (strcmp(name, daemon_image_name((DaemonImage) i)) == 0)
+                        img = daemon_image(c->daemon, (DaemonImage) i);
+        if (!img || !path)
+                return error_response("preload needs \"image\" (disk or memory) and \"path\"");
+        r = file_read_all(path, (size_t) (image_size(img) + (image_size(img) / 4096 + 1) * PACK_EXTENT_LEN +
+                                          PACK_HEADER_LEN), &data, &len);
+        if (r < 0)
+                return error_response("failed to read the resume pack %s: %s", path, strerror(-r));
+        r = image_preload(img, data, len);
+        if (r < 0) {
+                crypto_wipe(data, len);
+                free(data);
+                return error_response(r == -EBUSY ? "the %s image has a resume pack already" :
+                                      "the resume pack for the %s image is not valid", name);
+        }
+        return op_status(c);
+}
+
 static json_t *op_hoard(Control *c, json_t *request) {
         Hoard *h = daemon_hoard(c->daemon);
         HoardTarget targets[_DAEMON_IMAGE_MAX];
@@ -208,6 +242,8 @@ static json_t *handle(Control *c, json_t *request) {
         }
         if (strcmp(op, "hoard") == 0)
                 return op_hoard(c, request);
+        if (strcmp(op, "preload") == 0)
+                return op_preload(c, request);
         if (strcmp(op, "hoard-stop") == 0) {
                 if (!daemon_hoard(c->daemon))
                         return error_response("no server is configured");

@@ -281,10 +281,11 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
                 image_status(d->images[i], &st);
                 fprintf(f,
                         "%s\"%s\":{\"size\":%llu,\"chunk_size\":%u,\"chunks\":%llu,\"records\":%llu,\"ram_bytes\":%llu,"
-                        "\"dirty_chunks\":%llu,\"changed_chunks\":%llu,\"pending_uploads\":%llu,\"flush_error\":%d}",
+                        "\"dirty_chunks\":%llu,\"changed_chunks\":%llu,\"pending_uploads\":%llu,\"flush_error\":%d,"
+                        "\"pack_bytes\":%llu}",
                         i ? "," : "", image_names[i], U(st.size), st.chunk_size, U(st.chunks), U(st.records),
                         U(st.ram_bytes), U(st.dirty_chunks), U(st.changed_chunks), U(st.pending_uploads),
-                        st.flush_error);
+                        st.flush_error, U(st.pack_bytes));
         }
         fprintf(f,
                 "},\"io\":{\"bytes_read\":%llu,\"bytes_written\":%llu,\"chunks_read\":%llu,\"chunks_written\":%llu},"

@@ -37,6 +37,7 @@
 #include "hex.h"
 #include "keyring.h"
 #include "log.h"
+#include "pack.h"
 
 enum {
         CHUNK_ABSENT,
@@ -70,6 +71,7 @@ typedef struct Chunk {
         uint32_t pins;
         uint32_t gen;                      /* bumped by every write, so a flush knows if it saw the last one */
         bool ahead;                        /* loaded by readahead, not read yet: its first read reports ahead_tier */
+        bool pack_stale;                   /* written since the resume pack was taken: the pack is not its content */
         uint8_t ahead_tier;
         int64_t lru_prev, lru_next;        /* clean READY chunks only; head is the least recently used */
 } Chunk;
@@ -104,6 +106,13 @@ struct Image {
         pthread_cond_t ra_cond;
         pthread_t ra_workers[READAHEAD_WORKERS];
         size_t ra_started;
+
+        /* The resume pack (image_preload): set once under lock, read-only after, freed with the image. */
+        uint8_t *pack;
+        size_t pack_len;
+        PackExtent *pack_extents;
+        size_t pack_n;
+        uint64_t pack_bytes;
 
         pthread_mutex_t flush_lock;        /* one flush at a time */
         pthread_t flusher;
@@ -505,6 +514,58 @@ static void account(Image *img, uint64_t idx, TraceOp op, StatsTier tier, uint64
         trace_record(img->src.trace, img->name, idx, op, tier, offset, length);
 }
 
+/* The resume pack's bytes for [pos, pos + len) if one of its extents holds all of them, else NULL. */
+static const uint8_t *pack_find_locked(Image *img, uint64_t pos, size_t len) {
+        size_t lo = 0, hi = img->pack_n;
+        const PackExtent *e;
+
+        while (lo < hi) {
+                size_t mid = lo + (hi - lo) / 2;
+
+                if (img->pack_extents[mid].offset <= pos)
+                        lo = mid + 1;
+                else
+                        hi = mid;
+        }
+        if (lo == 0)
+                return NULL;
+        e = &img->pack_extents[lo - 1];
+        return pos + len <= e->offset + e->len ? e->data + (pos - e->offset) : NULL;
+}
+
+static bool in_pack(const Image *img, const void *p) {
+        const uint8_t *b = p;
+
+        return img->pack && b >= img->pack && b < img->pack + img->pack_len;
+}
+
+int image_preload(Image *img, uint8_t *payload, size_t len) {
+        PackExtent *extents;
+        uint64_t bytes = 0;
+        size_t n;
+        int r;
+
+        r = pack_parse(payload, len, img->size, &extents, &n);
+        if (r < 0)
+                return r;
+        for (size_t i = 0; i < n; i++)
+                bytes += extents[i].len;
+        pthread_mutex_lock(&img->lock);
+        if (img->pack) {
+                pthread_mutex_unlock(&img->lock);
+                free(extents);
+                return -EBUSY;
+        }
+        img->pack = payload;
+        img->pack_len = len;
+        img->pack_extents = extents;
+        img->pack_n = n;
+        img->pack_bytes = bytes;
+        pthread_mutex_unlock(&img->lock);
+        log_info("%s: resume pack of %zu extents, %llu bytes", img->name, n, (unsigned long long) bytes);
+        return 0;
+}
+
 size_t image_read_pieces_max(const Image *img, size_t len) {
         /* An unaligned start adds one chunk. */
         return len > 0 ? (len - 1) / img->chunk_size + 2 : 0;
@@ -540,6 +601,17 @@ ssize_t image_read_pin(Image *img, size_t len, uint64_t offset, struct iovec *io
                         done += piece;
                         continue;
                 }
+                if (c->state != CHUNK_READY && !c->pack_stale && img->pack) {
+                        const uint8_t *p = pack_find_locked(img, pos, piece);
+
+                        if (p) {
+                                pthread_mutex_unlock(&img->lock);
+                                iov[n++] = (struct iovec) { .iov_base = (void *) p, .iov_len = piece };
+                                account(img, idx, TRACE_READ, STATS_TIER_PACK, pos, piece);
+                                done += piece;
+                                continue;
+                        }
+                }
                 r = chunk_ready_locked(img, idx, false, &tier);
                 if (r < 0) {
                         pthread_mutex_unlock(&img->lock);
@@ -568,7 +640,7 @@ void image_read_release(Image *img, const struct iovec *iov, size_t n, uint64_t 
                 return;
         pthread_mutex_lock(&img->lock);
         for (size_t i = 0; i < n; pos += iov[i].iov_len, i++)
-                if (iov[i].iov_base != img->zeros)
+                if (iov[i].iov_base != img->zeros && !in_pack(img, iov[i].iov_base))
                         img->chunks[pos / img->chunk_size].pins--;
         if (img->ram_bytes > img->ram_limit)
                 evict_locked(img);
@@ -643,6 +715,7 @@ ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset) {
                 }
                 memcpy(c->data + in_chunk, in + done, piece);
                 c->gen++;
+                c->pack_stale = true;
                 if (!c->dirty) {
                         c->dirty = true;
                         img->dirty_bytes += n;
@@ -968,6 +1041,10 @@ Image *image_free(Image *img) {
         bufpool_free(img->chunk_pool);
         free(img->zeros);
         crypto_wipe(img->kw, sizeof(img->kw));
+        if (img->pack)
+                crypto_wipe(img->pack, img->pack_len);
+        free(img->pack);
+        free(img->pack_extents);
         free(img->chunks);
         free(img->records);
         free(img->present);
@@ -1061,6 +1138,7 @@ void image_status(Image *img, ImageStatus *ret) {
         ret->ram_bytes = img->ram_bytes;
         ret->dirty_chunks = img->dirty_chunks;
         ret->flush_error = img->flush_error;
+        ret->pack_bytes = img->pack_bytes;
         pthread_mutex_unlock(&img->lock);
         pthread_mutex_lock(&img->db_lock);
         keyring_state_counts(img->keyring, &ret->changed_chunks, &ret->pending_uploads);

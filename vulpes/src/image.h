@@ -37,6 +37,7 @@ typedef struct ImageStatus {
         uint64_t changed_chunks;       /* changed since the base version (durable) */
         uint64_t pending_uploads;      /* objects the server may not have yet */
         int flush_error;               /* last background flush failure (negative errno) or 0 */
+        uint64_t pack_bytes;           /* plaintext in the resume pack (image_preload) */
 } ImageStatus;
 
 typedef struct Image Image;
@@ -77,6 +78,14 @@ ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset);
 size_t image_read_pieces_max(const Image *img, size_t len);
 ssize_t image_read_pin(Image *img, size_t len, uint64_t offset, struct iovec *iov, size_t max_iov, size_t *ret_n);
 void image_read_release(Image *img, const struct iovec *iov, size_t n, uint64_t offset);
+
+/*
+ * Takes the resume pack of this image (its payload, vulpes/src/pack.h, malloc()ed; owned by the image from
+ * then on, wiped when it is freed): reads of bytes it holds, in chunks that are not in RAM and have not been
+ * written since, are served from it without loading the chunk.  Once per image: -EBUSY after; -EBADMSG if
+ * the payload is not a pack for this image (then the caller keeps it).
+ */
+int image_preload(Image *img, uint8_t *payload, size_t len);
 
 /*
  * Makes every write acknowledged before the call durable: dirty chunks are re-encoded (new convergent

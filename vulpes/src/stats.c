@@ -15,6 +15,7 @@ static const char *const tier_names[_STATS_TIER_MAX] = {
         [STATS_TIER_SERVER] = "server",
         [STATS_TIER_ZERO] = "zero",
         [STATS_TIER_NEW] = "new",
+        [STATS_TIER_PACK] = "pack",
 };
 
 /* Roughly logarithmic, so that both a local hit (sub-millisecond) and an outage (seconds) are visible. */

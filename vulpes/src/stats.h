@@ -14,6 +14,7 @@ typedef enum StatsTier {
         STATS_TIER_SERVER,
         STATS_TIER_ZERO,        /* no keyring record: all zeros, no I/O */
         STATS_TIER_NEW,         /* a whole-chunk write that needed no read */
+        STATS_TIER_PACK,        /* a read served from the resume pack (image_preload) */
         _STATS_TIER_MAX,
 } StatsTier;
 

@@ -2,8 +2,8 @@
 /*
  * Tests for image.c without FUSE or a server: read-modify-write against a model (unaligned, chunk-crossing,
  * the short last chunk), flush to cache and keyring and reopening from them, all-zero chunks losing their
- * record, the RAM bound, upload bookkeeping, a definitive error for a chunk that exists nowhere, and the
- * trace line format.
+ * record, the RAM bound, upload bookkeeping, a definitive error for a chunk that exists nowhere, the
+ * resume pack, and the trace line format.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -24,6 +24,7 @@
 #include "image.h"
 #include "keyring.h"
 #include "log.h"
+#include "pack.h"
 #include "stats.h"
 #include "trace.h"
 
@@ -203,26 +204,108 @@ static void test_ram_bound_and_uploads(void **state) {
         free(tags);
 }
 
+/* Flushes img, closes it, deletes chunk idx's object from the cache and opens the image again. */
+static Image *reopen_without(Fixture *f, Image *img, uint64_t idx) {
+        uint8_t tag[IMAGE_TAG_LEN];
+        char hex[65], path[256];
+
+        assert_int_equal(image_flush(img), 0);
+        assert_int_equal(image_chunk_tag(img, idx, tag), 0);
+        image_free(img);
+        hex_encode(tag, IMAGE_TAG_LEN, hex);
+        snprintf(path, sizeof(path), "%s/chunks/%.2s/%.2s/%s", f->cache_dir, hex, hex + 2, hex);
+        assert_int_equal(unlink(path), 0);
+        return open_image(f, 64 * CS);
+}
+
 static void test_missing_everywhere_is_eio(void **state) {
         Fixture *f = *state;
-        uint8_t data[CS], tag[IMAGE_TAG_LEN];
-        char hex[65], path[256];
+        uint8_t data[CS];
         Image *img = open_image(f, 64 * CS);
 
         memset(data, 0x42, sizeof(data));
         assert_int_equal(image_write(img, data, CS, 2 * CS), CS);
-        assert_int_equal(image_flush(img), 0);
-        assert_int_equal(image_chunk_tag(img, 2, tag), 0);
-        image_free(img);
-
-        hex_encode(tag, IMAGE_TAG_LEN, hex);
-        snprintf(path, sizeof(path), "%s/chunks/%.2s/%.2s/%s", f->cache_dir, hex, hex + 2, hex);
-        assert_int_equal(unlink(path), 0);
-        img = open_image(f, 64 * CS);
+        img = reopen_without(f, img, 2);
         log_set_max_level(LOG_EMERG);        /* the expected error line */
         assert_int_equal(image_read(img, data, 10, 2 * CS), -EIO);
         log_set_max_level(LOG_INFO);
         assert_int_equal(image_read(img, data, 10, 3 * CS), 10);       /* other chunks are fine */
+        image_free(img);
+}
+
+static size_t put_be(uint8_t *p, uint64_t v, size_t n) {
+        for (size_t i = 0; i < n; i++)
+                p[i] = (uint8_t) (v >> (8 * (n - 1 - i)));
+        return n;
+}
+
+/* A resume pack with two extents: [a, a + len) filled with fill_a and [b, b + len) with fill_b. */
+static uint8_t *make_pack(uint64_t image_bytes, uint64_t a, uint8_t fill_a, uint64_t b, uint8_t fill_b, size_t len,
+                          size_t *ret_len) {
+        size_t total = PACK_HEADER_LEN + 2 * PACK_EXTENT_LEN + 2 * len, at = 0;
+        uint8_t *p = malloc(total);
+
+        memcpy(p, "ISRP\1\0\0\0", 8);
+        at = 8;
+        at += put_be(p + at, image_bytes, 8);
+        at += put_be(p + at, 2, 8);
+        at += put_be(p + at, a, 8);
+        at += put_be(p + at, len, 4);
+        at += put_be(p + at, b, 8);
+        at += put_be(p + at, len, 4);
+        memset(p + at, fill_a, len);
+        memset(p + at + len, fill_b, len);
+        *ret_len = total;
+        return p;
+}
+
+static void test_resume_pack(void **state) {
+        Fixture *f = *state;
+        uint8_t data[CS], buf[CS], *pack;
+        size_t pack_len;
+        ImageStatus st;
+        Image *img = open_image(f, 64 * CS);
+
+        memset(data, 0x43, sizeof(data));
+        assert_int_equal(image_write(img, data, CS, 3 * CS), CS);
+        memset(data, 0x42, sizeof(data));
+        assert_int_equal(image_write(img, data, CS, 2 * CS), CS);
+        /* Chunk 2 is nowhere any more: only the pack can answer for it. */
+        img = reopen_without(f, img, 2);
+        /* A pack for another image size, or with a wrong magic, is refused and not kept. */
+        pack = make_pack(IMAGE_BYTES + CS, 2 * CS + 100, 0x42, 3 * CS, 0x77, 800, &pack_len);
+        log_set_max_level(LOG_EMERG);
+        assert_int_equal(image_preload(img, pack, pack_len), -EBADMSG);
+        pack[0] = 'X';
+        put_be(pack + 8, IMAGE_BYTES, 8);
+        assert_int_equal(image_preload(img, pack, pack_len), -EBADMSG);
+        log_set_max_level(LOG_INFO);
+        free(pack);
+
+        /* Chunk 2's bytes as they are; chunk 3's made up, to show where a read is served from. */
+        pack = make_pack(IMAGE_BYTES, 2 * CS + 100, 0x42, 3 * CS, 0x77, 800, &pack_len);
+        assert_int_equal(image_preload(img, pack, pack_len), 0);
+        image_status(img, &st);
+        assert_int_equal(st.pack_bytes, 1600);
+        assert_int_equal(image_preload(img, pack, pack_len), -EBUSY);
+
+        assert_int_equal(image_read(img, buf, 700, 2 * CS + 150), 700);
+        assert_memory_equal(buf, data, 700);
+        assert_int_equal(image_read(img, buf, 800, 3 * CS), 800);
+        memset(data, 0x77, 800);
+        assert_memory_equal(buf, data, 800);
+        assert_int_equal(f->stats.hits[STATS_TIER_PACK], 2);
+        /* A read the pack does not hold all of goes to the chunk, which exists nowhere. */
+        log_set_max_level(LOG_EMERG);
+        assert_int_equal(image_read(img, buf, 10, 2 * CS + 95), -EIO);
+        log_set_max_level(LOG_INFO);
+        /* A write makes the chunk's own content the truth again: the pack no longer answers for it. */
+        buf[0] = 0x99;
+        assert_int_equal(image_write(img, buf, 1, 3 * CS + 2000), 1);
+        assert_int_equal(image_read(img, buf, 800, 3 * CS), 800);
+        memset(data, 0x43, 800);
+        assert_memory_equal(buf, data, 800);
+        assert_int_equal(f->stats.hits[STATS_TIER_PACK], 2);
         image_free(img);
 }
 
@@ -245,6 +328,7 @@ int main(void) {
                 cmocka_unit_test_setup_teardown(test_zero_chunk_loses_record, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_ram_bound_and_uploads, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_missing_everywhere_is_eio, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_resume_pack, setup, teardown),
                 cmocka_unit_test(test_trace_format),
         };
 
