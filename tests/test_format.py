@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from parcels import chunk, compress, crypto, envelope, keyring, manifest, parcel, seal
+from parcels import chunk, compress, crypto, envelope, keyring, manifest, parcel, resumepack, seal
 from parcels.errors import (
     FormatError, ImageError, IntegrityError, NotFoundError, ParcelError, StoreError, WrongKeyError,
 )
@@ -814,3 +814,28 @@ def test_public_errors_share_one_root() -> None:
     for error in (FormatError, IntegrityError, WrongKeyError, StoreError, NotFoundError, ImageError):
         assert issubclass(error, ParcelError)
     assert not issubclass(WrongKeyError, IntegrityError)       # callers must be able to tell these apart
+
+
+# --- the resume pack ---------------------------------------------------------------------------------------
+
+def test_resume_pack_round_trip_and_refusals() -> None:
+    size = 1 << 20
+    payload = resumepack.encode(size, [(4096, b"a" * 100), (8192, b"b" * 4096)])
+    decoded = resumepack.decode(payload, size)
+    assert [(e.offset, e.length, bytes(data)) for e, data in decoded] == [(4096, 100, b"a" * 100),
+                                                                         (8192, 4096, b"b" * 4096)]
+    assert resumepack.decode(resumepack.encode(size, []), size) == []
+    with pytest.raises(FormatError, match="for an image of 1048576 bytes, not 2097152"):
+        resumepack.decode(payload, 2 * size)
+    with pytest.raises(FormatError, match="wrong magic"):
+        resumepack.decode(b"ISRX" + payload[4:], size)
+    with pytest.raises(FormatError, match="hold 4196 bytes, but 4195 follow them"):
+        resumepack.decode(payload[:-1], size)
+    with pytest.raises(FormatError, match="out of order, overlapping"):
+        resumepack.encode(size, [(8192, b"x"), (4096, b"y")])
+    with pytest.raises(FormatError, match="beyond the image"):
+        resumepack.encode(size, [(size - 10, b"z" * 11)])
+    overlapping = bytearray(payload)
+    resumepack.EXTENT.pack_into(overlapping, resumepack.HEADER.size + resumepack.EXTENT.size, 4100, 4096)
+    with pytest.raises(FormatError, match="extent 1 is empty, out of order, overlapping"):
+        resumepack.decode(bytes(overlapping), size)
