@@ -322,6 +322,25 @@ def run_site_a(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, n
             "devstate_sealed_bytes": int((devstate or 0) * MIB), "version_chunk_bytes": stored}
 
 
+def run_site_a2(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, net: NetSite, server: str,
+                timeout: float) -> dict[str, Any]:
+    """With --hops 2, site A2 (a fresh cache on A's link): resume A's version (demand), answer, run the workload,
+    suspend and check in. Site B then resumes a version that a resumed session made, as most resumes in
+    real use are (only such a session records a resume pack)."""
+    with site(env, "A2", root, net, server, parcel, timeout) as a2:
+        started = time.monotonic()
+        a2.isr("resume", parcel.name, "--detach", "--vnc", "unix", "--keyfile", str(parcel.keyfile),
+               "--policy", "demand", timeout=timeout)
+        with a2.console(parcel) as console:
+            console.run("true", timeout=timeout)
+            answered = time.monotonic() - started
+            check_workload(console.run_workload(timeout=timeout), guest)
+            console.set_token()
+        suspend = a2.isr("suspend", parcel.name, timeout=timeout).stdout
+        a2.wait_session_end(parcel, timeout=timeout)
+    return {"a2_answered_s": answered, "a2_made_pack": number_after(r"resume pack ([0-9.]+) s", suspend) is not None}
+
+
 def run_site_b(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, net: NetSite, server: str,
                policy: str, timeout: float) -> dict[str, Any]:
     """A fresh site B: hoard (t3) if the policy wants it, resume (t4), the workload (t5), suspend locally."""
@@ -362,13 +381,15 @@ def run_site_b(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, n
                 b.state_dir(parcel) / "keyring.memory", env.store)
     result["t4"] = number_after(r"resumed in ([0-9.]+) s", out)
     result["t4_phases"] = resume_phases(out)
+    result["resume_pack_mib"] = number_after(r"resume pack: ([0-9.]+) MiB", out)
     result["boot_file_bytes_b"] = boot_file_bytes(out)
     return result
 
 
 def run_isr_group(env: IsrEnv, guest: GuestArtifacts, work: Path, nets: list[NetSite], servers: list[str],
-                  key: dict[str, Any], policies: list[str], timeout: float) -> list[dict[str, Any]]:
-    """One site A run and the site B runs that follow it; one cell per policy (A's failure fails them all)."""
+                  key: dict[str, Any], policies: list[str], timeout: float, hops: int = 1) -> list[dict[str, Any]]:
+    """One site A run (and with ``hops`` 2 a site A2 run after it) and the site B runs that follow; one cell per
+    policy (A's failure fails them all)."""
     a_policy = "eager-writeback" if policies == ["eager-writeback"] else "demand"
     tag = f"{key['rate']}m-{key['rtt']}ms-{key['ram']}M-{a_policy}"
     root = work / tag
@@ -376,8 +397,11 @@ def run_isr_group(env: IsrEnv, guest: GuestArtifacts, work: Path, nets: list[Net
 
     def make_a() -> dict[str, Any]:
         parcel = env.make_parcel(f"m-{tag}-{int(time.time()) % 100000}", ram_mib=key["ram"])
-        return {"parcel": parcel, **run_site_a(env, guest, parcel, root / "A", nets[0], servers[0], a_policy,
-                                                timeout)}
+        result = run_site_a(env, guest, parcel, root / "A", nets[0], servers[0], a_policy, timeout)
+        if hops == 2:
+            say(f"{tag}: site A2 resumes A's version, runs the workload, suspends and checks in")
+            result.update(run_site_a2(env, guest, parcel, root / "A2", nets[0], servers[0], timeout))
+        return {"parcel": parcel, **result}
 
     a = attempt(f"{tag} site A", make_a)
     parcel = a.pop("parcel", None)
@@ -488,6 +512,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ram", help="guest RAM sizes in MiB, comma-separated")
     parser.add_argument("--peers", help=f"comma-separated subset of {', '.join(ALL_PEERS)}")
     parser.add_argument("--no-peers", action="store_true", help="skip the peers")
+    parser.add_argument("--hops", type=int, choices=(1, 2), default=1,
+                        help="1: B resumes the version A checked in after its cold boot; 2: a site A2 resumes that "
+                             "version and checks in again first, so B resumes one made by a resumed session")
     parser.add_argument("--json", type=Path, help="write the raw results here (default: WORK.json)")
     parser.add_argument("--no-update", action="store_true", help="do not write BENCHMARKS.md")
     parser.add_argument("--timeout", type=float,
@@ -550,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "meta": {"machine": machine(), "date": today(), "command": command, "mode": args.label,
                  "rates": args.rates, "rtts": args.rtts, "policies": args.policies, "ram": args.ram,
-                 "peers": args.peers, "work": str(work)},
+                 "peers": args.peers, "hops": args.hops, "work": str(work)},
         "local": {}, "links": {}, "cells": [], "peers": [], "notes": []}
     say(f"{command}: work directory {work}")
     if args.peers and peer_bench is None:
@@ -637,7 +664,7 @@ def run_matrix(args: argparse.Namespace, guest: GuestArtifacts, work: Path, resu
                                           [p for p in wanted if p == "eager-writeback"]]
                                 for policies in (g for g in groups if g):
                                     cells = run_isr_group(env, guest, work, nets, [p.address for p in proxies],
-                                                          key, policies, timeout)
+                                                          key, policies, timeout, args.hops)
                                     for cell in cells:
                                         add_prediction(cell, traces.get(ram), results["local"].get(str(ram)),
                                                        goodput.get("goodput_mbit"))
