@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/chunk_serving.py [--chunks 2000] [--requests 30000] [--connections 4]
                                             [--streams 32] [--trials 3] [--s3]
+                                            [--tree LABEL=DIR ...] [--paths sendfile,stream] [--section TITLE]
 
 Makes `--chunks` random 128 KiB chunk objects in a directory store, then for each serving path starts a
 server on a free loopback port, and drives it with h2load (nghttp2-client) over TLS and HTTP/2 with
@@ -15,6 +16,17 @@ server on a free loopback port, and drives it with h2load (nghttp2-client) over 
 
 Each path is measured `--trials` times; the table shows the median and the ratio to nginx. All traffic
 stays on 127.0.0.1 and every run is bounded by its request count.
+
+``--tree LABEL=DIR`` (repeatable) runs isr-server from other source trees in the same run, e.g. a git
+worktree of an older commit, each with its Python code on PYTHONPATH: before/after comparisons on one
+machine in one run. The targets take turns in every trial, starting one further along each time, so drift
+in the machine's load falls on all of them alike. ``--section TITLE`` writes the table, the machine, the
+date and the command into that section of BENCHMARKS.md.
+
+``--python`` also times the Python of one chunk GET inside each tree's ASGI app, without network or TLS
+(a cached token, the sendfile path, minimum over rounds of 5000): the part of the cost the server's code
+decides, which the end-to-end figures (mostly TLS, HTTP/2 and the load generator on the same cores) hide
+in their noise.
 """
 from __future__ import annotations
 
@@ -35,7 +47,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from vulpes_common import REPO, machine, table, today, update_section  # also puts the repository on sys.path
+
+from isrctl.remote import Remote  # noqa: E402
+
 BIN = Path(sys.executable).parent
 CHUNK_SIZE = 131072
 
@@ -119,12 +134,14 @@ def curl_parallel(base: str, tags: list[str], requests: int, parallel: int, toke
 
 
 class IsrServer:
-    """isr-server on a free port with one serving mode; a user 'bench' and its token."""
+    """isr-server on a free port with one serving mode; a user 'bench' and its token. With `tree`, the
+    server's Python code comes from that source tree (PYTHONPATH)."""
 
-    def __init__(self, work: Path, store: dict, serving: str, workers: int) -> None:
+    def __init__(self, work: Path, store: dict, serving: str, workers: int, tree: Path | None = None) -> None:
         self.serving = serving
-        self.dir = work / f"isr-{serving}-{store['store.backend']}"
+        self.dir = work / f"isr-{serving}-{store['store.backend']}-{abs(hash(str(tree)))}"
         self.dir.mkdir()
+        env = dict(os.environ, PYTHONPATH=str(tree)) if tree is not None else None
         settings = {"server.listen": "127.0.0.1:0", "server.workers": workers, "server.data_dir": str(self.dir),
                     "server.chunk_serving": serving, "server.token_cache_seconds": 5, **store}
         config = self.dir / "isr-server.toml"
@@ -134,9 +151,10 @@ class IsrServer:
             sections.setdefault(section, []).append(f"{name} = {json.dumps(value)}")
         config.write_text("".join(f"[{s}]\n" + "\n".join(v) + "\n" for s, v in sections.items()))
         subprocess.run([str(BIN / "isr-admin"), "-c", str(config), "user", "add", "bench", "--password-file", "-"],
-                       input="bench-password\n", text=True, check=True, capture_output=True, timeout=60)
+                       input="bench-password\n", text=True, check=True, capture_output=True, timeout=60, env=env)
         self.proc = subprocess.Popen([str(BIN / "isr-server"), "-c", str(config)], stdout=subprocess.PIPE,
-                                     stderr=open(self.dir / "server.log", "w"), text=True, start_new_session=True)
+                                     stderr=open(self.dir / "server.log", "w"), text=True, start_new_session=True,
+                                     env=env)
         url = ""
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -150,9 +168,6 @@ class IsrServer:
         self.url = url
         self.port = int(url.rsplit(":", 1)[1])
         wait_port(self.port, self.proc, "isr-server")
-        sys.path.insert(0, str(REPO))
-        from isrctl.remote import Remote
-
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -241,6 +256,71 @@ def upload_to_s3(settings: dict, root: Path, tags: list[str]) -> None:
                           Body=(root / "chunks" / tag[:2] / tag[2:4] / tag).read_bytes())
 
 
+def handler_time(tree: str, rounds: int = 15, calls: int = 5000) -> float:
+    """Microseconds of Python per chunk GET in the ASGI app of the isr-server in `tree` (the minimum
+    over `rounds` of `calls` calls): a sqlite + directory server with one chunk and a cached token."""
+    sys.path.insert(0, tree)
+    import asyncio
+
+    from server import auth
+    from server.app import IsrApp
+    from server.config import build
+    from server.meta import open_meta
+
+    root = Path(tempfile.mkdtemp(prefix="isr-bench-"))
+    try:
+        config = build({"server.data_dir": str(root), "server.token_cache_seconds": 5})
+        meta = open_meta(config)
+        user = meta.add_user("bench", auth.hash_password("bench", log2n=4))
+        token = auth.new_token()
+        meta.add_token("0123456789abcdef", auth.secret_hash(token), user.id, "", 3600)
+        meta.close()
+        tag = make_chunks(root / "store", 1)[0]
+        app = IsrApp(config)
+        scope = {"type": "http", "http_version": "2", "method": "GET", "path": f"/v1/chunks/{tag}",
+                 "raw_path": f"/v1/chunks/{tag}".encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"host", b"127.0.0.1"), (b"authorization", f"Bearer {token}".encode()),
+                             (b"user-agent", b"h2load"), (b"accept", b"*/*")],
+                 "client": ("127.0.0.1", 40000), "extensions": {"http.response.pathsend": {}}}
+
+        async def measure() -> float:
+            started: list[dict] = []
+            startup: asyncio.Queue[dict] = asyncio.Queue()
+            await startup.put({"type": "lifespan.startup"})
+
+            async def lifespan_send(message: dict) -> None:
+                started.append(message)
+
+            lifespan = asyncio.ensure_future(app({"type": "lifespan"}, startup.get, lifespan_send))
+            while not started:
+                await asyncio.sleep(0.01)
+            sent: list[dict] = []
+
+            async def receive() -> dict:
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            async def send(message: dict) -> None:
+                sent.append(message)
+
+            await app(dict(scope), receive, send)
+            if sent[0].get("status") != 200:
+                raise SystemExit(f"chunk_serving: the in-process chunk GET failed: {sent}")
+            best = float("inf")
+            for _ in range(rounds):
+                begin = time.perf_counter()
+                for _ in range(calls):
+                    await app(dict(scope), receive, send)
+                    sent.clear()
+                best = min(best, (time.perf_counter() - begin) / calls * 1e6)
+            await startup.put({"type": "lifespan.shutdown"})
+            await lifespan
+            return best
+
+        return asyncio.run(measure())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chunks", type=int, default=2000)
@@ -255,7 +335,25 @@ def main() -> int:
                              "redirects) against isr-server and nginx alike")
     parser.add_argument("--curl-parallel", type=int, default=64, help="concurrent transfers of the curl client")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--tree", action="append", default=[], metavar="LABEL=DIR",
+                        help="also run isr-server from this source tree (repeatable), labelled LABEL")
+    parser.add_argument("--paths", default="sendfile,stream", help="isr-server's serving modes to measure")
+    parser.add_argument("--section", help="write the results into this section of BENCHMARKS.md")
+    parser.add_argument("--python", action="store_true",
+                        help="also time the Python of one chunk GET inside each tree's app (no network)")
+    parser.add_argument("--handler-time", metavar="TREE", help=argparse.SUPPRESS)  # the child of --python
     args = parser.parse_args()
+    if args.handler_time:
+        print(f"{handler_time(args.handler_time):.2f}")
+        return 0
+    trees: list[tuple[str, Path | None]] = [("", None)]
+    if args.tree:
+        trees = []
+        for item in args.tree:
+            label, sep, directory = item.partition("=")
+            if not sep or not (Path(directory) / "server" / "__init__.py").is_file():
+                raise SystemExit(f"chunk_serving: --tree {item}: want LABEL=DIR with DIR a source tree of this project")
+            trees.append((label, Path(directory).resolve()))
     for tool in ("h2load", "nginx"):
         if not shutil.which(tool):
             raise SystemExit(f"chunk_serving: {tool} is not installed (deps/debian.txt: nghttp2-client, nginx-light)")
@@ -268,10 +366,11 @@ def main() -> int:
         uris.write_text("".join(f"/v1/chunks/{t}\n" for t in tags))
         directory = {"store.backend": "directory", "store.path": str(store_root)}
         targets: list[tuple[str, object]] = []
-        for serving in ("sendfile", "stream"):
-            server = IsrServer(work, directory, serving, args.workers)
-            started.append(server)
-            targets.append((f"isr-server {serving}", server))
+        for serving in args.paths.split(","):
+            for label, tree in trees:
+                server = IsrServer(work, directory, serving, args.workers, tree)
+                started.append(server)
+                targets.append((f"isr-server {serving}" + (f" [{label}]" if label else ""), server))
         if args.s3:
             gw, s3 = start_versitygw(work)
             started.append(type("GW", (), {"stop": lambda self: (gw.terminate(), gw.wait(timeout=20))})())
@@ -288,7 +387,9 @@ def main() -> int:
         targets.append(("nginx", nginx))
         results: dict[str, list[dict]] = {name: [] for name, _ in targets}
         for trial in range(args.trials):
-            for name, target in targets:  # interleaved, so drift in the machine hits every path alike
+            # Interleaved, each trial starting one target further, so drift in the machine hits every path alike.
+            shift = trial % len(targets)
+            for name, target in targets[shift:] + targets[:shift]:
                 token = getattr(target, "token", None)
                 results[name].append(h2load(target.url, uris, args.requests, args.connections, args.streams, token))
         curl_results: dict[str, list[dict]] = {}
@@ -316,6 +417,14 @@ def main() -> int:
                              "mb_s": round(statistics.median(r["mb_s"] for r in runs), 1),
                              "vs_nginx": round(rps / curl_nginx, 2), "protocol": runs[0]["protocol"],
                              "trials": [round(r["req_s"]) for r in runs]})
+        python_rows = []
+        if args.python:
+            for label, tree in trees:  # each in a process of its own, with that tree's code
+                times = [float(subprocess.run([sys.executable, __file__, "--handler-time", str(tree or REPO)],
+                                              capture_output=True, text=True, check=True, timeout=600).stdout)
+                         for _ in range(args.trials)]
+                python_rows.append(["isr-server sendfile" + (f" [{label}]" if label else ""),
+                                    f"{min(times):.1f}", ", ".join(f"{t:.1f}" for t in times)])
         header = (f"chunk GET, {CHUNK_SIZE // 1024} KiB objects, TLS + HTTP/2, {args.connections} connections x "
                   f"{args.streams} streams, {args.requests} requests per trial, median of {args.trials}, "
                   f"{args.workers} server workers, {os.cpu_count()} cores, {platform.node()}, "
@@ -324,8 +433,23 @@ def main() -> int:
         print(f"{'path':<32} {'req/s':>8} {'MB/s':>8} {'vs nginx':>9}  trials (req/s)")
         for row in rows:
             print(f"{row['path']:<32} {row['req_s']:>8} {row['mb_s']:>8} {row['vs_nginx']:>9}  {row['trials']}")
+        python_table = ""
+        if python_rows:
+            python_table = table(["path", "µs of Python per chunk GET (best)", "each process's best"], python_rows)
+            print(python_table)
         if args.json:
             Path(args.json).write_text(json.dumps({"setup": header, "results": rows}, indent=2))
+        if args.section:
+            command = " ".join(["bench/chunk_serving.py", *sys.argv[1:]])
+            body = (f"Machine: {machine()}. Date: {today()}. Command: `.venv/bin/python {command}`.\n\n{header}.\n\n"
+                    + table(["path", "req/s (median)", "MB/s", "vs nginx", "trials (req/s)"],
+                            [[r["path"], str(r["req_s"]), str(r["mb_s"]), f"{r['vs_nginx']:.2f}",
+                              ", ".join(map(str, r["trials"]))] for r in rows]))
+            if python_table:
+                body += ("\n\nPython per chunk GET inside the app (`--python`: no network, no TLS, cached token, "
+                         f"sendfile path; the best round of 5000 calls in each of {args.trials} processes):\n\n"
+                         + python_table)
+            update_section(args.section, body)
     finally:
         for item in reversed(started):
             try:

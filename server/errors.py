@@ -1,8 +1,8 @@
 """The exceptions of the server package.
 
 Everything the server package raises on purpose derives from `ServerError`. The subclasses say what kind
-of problem it is, and the ASGI app maps each API-facing one to an HTTP status (see `ApiError` and
-`server.app`). Only ``main()`` of ``isr-server`` and ``isr-admin`` turns them into one-line messages.
+of problem it is, and each API-facing one carries its HTTP status (`ApiError`, answered by `server.http`).
+Only ``main()`` of ``isr-server`` and ``isr-admin`` turns them into one-line messages.
 """
 from __future__ import annotations
 
@@ -117,3 +117,10 @@ class Unavailable(ApiError):
 
     status = 503
     code = "unavailable"
+
+
+class InternalError(ApiError):
+    """500: a bug (an exception no handler expected); the details are in the server's log, not the answer."""
+
+    status = 500
+    code = "internal"

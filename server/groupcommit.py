@@ -7,7 +7,7 @@ one commit at a time runs per worker process, and whatever queued up meanwhile f
 timer: an upload that finds nobody committing is committed at once). A batch is one `ObjectStore.publish`
 (directory store: the renames, then an fsync of each directory, of which the first commits the journal
 with all the renames; S3: nothing, its PUTs are durable when they return) followed by one metadata
-transaction (`SqlMeta.chunks_add`, sqlite or PostgreSQL). A request is answered only after its batch
+transaction (`MetaStore.chunks_add`, sqlite or PostgreSQL). A request is answered only after its batch
 committed, so an acknowledged upload is as durable as before, and the order is as before: the object is
 durable under its name before the index records it.
 """
@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .meta.sql import SqlMeta
+from .meta import MetaStore
 from .store.base import ObjectStore, Staged
 
 #: The most chunks in one batch (a batch larger than this is split; the rest go in the next one).
@@ -36,7 +36,7 @@ class _Entry:
 class ChunkCommitter:
     """The group committer of one worker process. `run` runs blocking work in the worker's thread pool."""
 
-    def __init__(self, run: Callable[..., Awaitable[Any]], store: ObjectStore, meta: SqlMeta) -> None:
+    def __init__(self, run: Callable[..., Awaitable[Any]], store: ObjectStore, meta: MetaStore) -> None:
         self.run = run
         self.store = store
         self.meta = meta
@@ -48,7 +48,7 @@ class ChunkCommitter:
     async def add(self, tag: str, size: int, staged: Staged | None) -> bool:
         """Commit one uploaded chunk (its `ObjectStore.stage` result, or None if the object was stored
         already) together with whatever else is waiting. True once it is durable and recorded; False if gc
-        is deleting the chunk right now (as `SqlMeta.chunk_add`). Raises the batch's StorageError."""
+        is deleting the chunk right now (as `MetaStore.chunk_add`). Raises the batch's StorageError."""
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._queue.append(_Entry(tag, size, staged, done))
         if self._task is None:

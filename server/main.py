@@ -3,7 +3,8 @@
 Start-up: read the configuration, make a self-signed certificate if none is configured, create the
 database schema, bind the listening socket (port 0 picks a free port), print the URL and the certificate
 fingerprint on stdout, then hand the socket to granian's worker processes. Every worker runs
-`server.app.IsrApp`; they share nothing but the metadata database and the object store.
+`server.app.IsrApp`; they share nothing but the metadata database and the object store. granian is imported
+only to serve: isr-admin shares `load_config` with this module and should not pay for it.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from typing import Any
 from . import config as configmod
 from .config import ENV_CONFIG, Config
 from .errors import ServerError
+from .logs import setup_logging
+from .meta import open_meta
+from .store import open_store
 from .tls import ensure_certificate
 
 log = logging.getLogger("server")
@@ -28,24 +32,6 @@ _GRANIAN_LOGGING = {
         "access": {"formatter": "access", "class": "logging.StreamHandler", "stream": "ext://sys.stderr"},
     },
 }
-
-
-def setup_logging(config: Config | None = None, level: int = logging.INFO) -> None:
-    """Log to stderr; audit lines also go to ``server.audit_log`` if set. Idempotent."""
-    root = logging.getLogger("server")
-    if not getattr(root, "_isr_configured", False):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(level)
-        root.propagate = False
-        root._isr_configured = True  # type: ignore[attr-defined]
-    audit = logging.getLogger("server.audit")
-    if config is not None and config["server.audit_log"] and not getattr(audit, "_isr_file", False):
-        audit_file = logging.FileHandler(config["server.audit_log"])
-        audit_file.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        audit.addHandler(audit_file)
-        audit._isr_file = True  # type: ignore[attr-defined]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,9 +82,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 def prepare(config: Config) -> tuple[Path, Path, str]:
     """Create the data directory, certificate and schema; check the store is reachable."""
-    from .meta import open_meta
-    from .store import open_store
-
     try:
         config.data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -119,6 +102,7 @@ def prepare(config: Config) -> tuple[Path, Path, str]:
 
 def serve(config: Config, sock: socket.socket, cert: Path, key: Path) -> None:
     """Run granian on the bound socket until SIGINT/SIGTERM."""
+    # Imported only to serve (see the module doc): isr-admin imports this module for load_config.
     from granian._granian import SocketHolder
     from granian.constants import HTTPModes, Interfaces, SSLProtocols
     from granian.log import LogLevels

@@ -1,7 +1,7 @@
 """Operations on whole parcels and on the whole store, shared by the API and isr-admin.
 
 Everything that creates a version goes through the same path as a client's commit: take the lock, stage
-blobs, `SqlMeta.commit_version` with `publisher`, release. So the admin tool obeys the lock and the
+blobs, `MetaStore.commit_version` with `publisher`, release. So the admin tool obeys the lock and the
 parent rule exactly like a client does, and works the same on every backend.
 """
 from __future__ import annotations
@@ -19,9 +19,15 @@ from typing import Any
 
 from isrprogress import NullReporter, Reporter
 
+from parcels.envelope import DEFAULT_LOG2N, unwrap_envelope, wrap_envelope
+from parcels.manifest import Timestamps, open_manifest, seal_manifest, utc_now
+from parcels.parcel import create_parcel as build_parcel
+from parcels.store import DirStore
+
 from . import auth
 from .errors import Conflict, NotFound, ServerError
-from .meta.sql import SqlMeta, unpack_tags
+from .meta import MetaStore, unpack_tags
+from .names import TAG_RE
 from .store import ObjectStore, chunk_key, envelope_key, staging_prefix, version_prefix
 from .store.base import parcel_prefix
 
@@ -50,7 +56,7 @@ def publisher(store: ObjectStore, parcel: str, staging: str, blobs: Sequence[str
     return publish
 
 
-def store_chunk(meta: SqlMeta, store: ObjectStore, tag: str, data: bytes, timeout: float = 30.0) -> bool:
+def store_chunk(meta: MetaStore, store: ObjectStore, tag: str, data: bytes, timeout: float = 30.0) -> bool:
     """Store a chunk object and record it in the index (the synchronous twin of the API's chunk PUT).
     Return True if it was not stored before."""
     if hashlib.sha256(data).hexdigest() != tag:
@@ -70,7 +76,7 @@ def store_chunk(meta: SqlMeta, store: ObjectStore, tag: str, data: bytes, timeou
         existed = False
 
 
-def commit_local_version(meta: SqlMeta, store: ObjectStore, parcel: str, owner_id: int,
+def commit_local_version(meta: MetaStore, store: ObjectStore, parcel: str, owner_id: int,
                          blobs: dict[str, bytes | str], tags: Sequence[str], *, force: bool = False) -> int:
     """Commit a new version made by the admin tool: lock, stage, commit, release.
 
@@ -109,7 +115,7 @@ def commit_local_version(meta: SqlMeta, store: ObjectStore, parcel: str, owner_i
 # --- parcels ------------------------------------------------------------------------------------------
 
 
-def create_parcel(meta: SqlMeta, store: ObjectStore, *, owner: str, name: str, disk: str | os.PathLike[str],
+def create_parcel(meta: MetaStore, store: ObjectStore, *, owner: str, name: str, disk: str | os.PathLike[str],
                   ram_mib: int, passphrase: str | None = None, keyfile: bytes | None = None,
                   vm: dict[str, Any] | None = None, boot: dict[str, Any] | None = None,
                   chunk_size: int | None = None, log2n: int | None = None,
@@ -121,9 +127,6 @@ def create_parcel(meta: SqlMeta, store: ObjectStore, *, owner: str, name: str, d
     The parcel is built by `parcels.parcel.create_parcel` in a temporary local store (the server never
     keeps the keys), then its chunks, key envelope and version 1 are put into the configured backend.
     """
-    from parcels.parcel import create_parcel as build_parcel
-    from parcels.store import DirStore
-
     reporter = reporter or NullReporter()
     found = meta.get_user(owner)
     if found is None:
@@ -160,11 +163,9 @@ def create_parcel(meta: SqlMeta, store: ObjectStore, *, owner: str, name: str, d
     return parcel
 
 
-def import_chunks(meta: SqlMeta, store: ObjectStore, local_root: Path, progress: Progress | None = None) -> list[str]:
+def import_chunks(meta: MetaStore, store: ObjectStore, local_root: Path, progress: Progress | None = None) -> list[str]:
     """Put every chunk object of a local parcel store into the server's store; return their tags.
     ``progress`` gets the bytes stored so far and the total."""
-    from .names import TAG_RE
-
     files = [p for p in (local_root / "chunks").glob("*/*/*") if TAG_RE.fullmatch(p.name)]
     total = sum(p.stat().st_size for p in files)
     tags = []
@@ -179,7 +180,7 @@ def import_chunks(meta: SqlMeta, store: ObjectStore, local_root: Path, progress:
     return tags
 
 
-def remove_parcel(meta: SqlMeta, store: ObjectStore, parcel: str, *, force: bool = False) -> None:
+def remove_parcel(meta: MetaStore, store: ObjectStore, parcel: str, *, force: bool = False) -> None:
     """Delete a parcel, its versions and blobs (its chunks go at the next gc). Refused while it is
     locked unless `force`."""
     info = meta.get_parcel(parcel)
@@ -192,8 +193,6 @@ def remove_parcel(meta: SqlMeta, store: ObjectStore, parcel: str, *, force: bool
 
 
 def _keys(store: ObjectStore, parcel: str, passphrase: str | None, keyfile: bytes | None) -> tuple[bytes, bytes]:
-    from parcels.envelope import unwrap_envelope
-
     _, parcel_key, secret = unwrap_envelope(store.get_bytes(envelope_key(parcel)), passphrase=passphrase,
                                             keyfile=keyfile, expect_uuid=uuid.UUID(parcel))
     return parcel_key, secret
@@ -201,8 +200,6 @@ def _keys(store: ObjectStore, parcel: str, passphrase: str | None, keyfile: byte
 
 def _resealed_manifest(store: ObjectStore, parcel: str, version: int, parcel_key: bytes, *, new_parcel: str,
                        new_version: int, parent: int | None) -> bytes:
-    from parcels.manifest import Timestamps, open_manifest, seal_manifest, utc_now
-
     manifest = open_manifest(parcel_key, store.get_bytes(version_prefix(parcel, version) + "manifest"),
                              parcel=uuid.UUID(parcel), version=version)
     changed = dataclasses.replace(manifest, parcel=uuid.UUID(new_parcel), version=new_version, parent=parent,
@@ -210,7 +207,7 @@ def _resealed_manifest(store: ObjectStore, parcel: str, version: int, parcel_key
     return seal_manifest(parcel_key, changed)
 
 
-def rollback(meta: SqlMeta, store: ObjectStore, parcel: str, target: int, *, passphrase: str | None = None,
+def rollback(meta: MetaStore, store: ObjectStore, parcel: str, target: int, *, passphrase: str | None = None,
              keyfile: bytes | None = None, force: bool = False) -> int:
     """Make a new version whose content is version `target`'s (the manifest is re-sealed with the new
     version number, which needs the parcel key). Returns the new version number."""
@@ -227,15 +224,13 @@ def rollback(meta: SqlMeta, store: ObjectStore, parcel: str, target: int, *, pas
     return commit_local_version(meta, store, parcel, info.owner_id, blobs, tags, force=force)
 
 
-def copy_parcel(meta: SqlMeta, store: ObjectStore, parcel: str, *, owner: str, name: str,
+def copy_parcel(meta: MetaStore, store: ObjectStore, parcel: str, *, owner: str, name: str,
                 passphrase: str | None = None, keyfile: bytes | None = None, new_passphrase: str | None = None,
                 new_keyfile: bytes | None = None, log2n: int | None = None) -> str:
     """Copy the current version of a parcel into a new parcel (new UUID, version 1) for `owner`.
 
     The chunks are shared (nothing is re-encrypted); the manifest is re-sealed for the new UUID and the
     key envelope re-wrapped under the new credential (default: the same one)."""
-    from parcels.envelope import DEFAULT_LOG2N, wrap_envelope
-
     info = meta.get_parcel(parcel)
     if info.current_version == 0:
         raise Conflict(f"parcel {parcel} has no version to copy", code="no_versions")
@@ -263,7 +258,7 @@ def copy_parcel(meta: SqlMeta, store: ObjectStore, parcel: str, *, owner: str, n
     return new
 
 
-def prune(meta: SqlMeta, store: ObjectStore, parcel: str, keep: int) -> list[int]:
+def prune(meta: MetaStore, store: ObjectStore, parcel: str, keep: int) -> list[int]:
     """Delete all but the newest `keep` versions; return the deleted version numbers."""
     if keep < 1:
         raise ServerError("keep at least one version")
@@ -282,7 +277,7 @@ def prune(meta: SqlMeta, store: ObjectStore, parcel: str, keep: int) -> list[int
 ORPHAN_MIN_AGE = 60.0
 
 
-def gc(meta: SqlMeta, store: ObjectStore, grace: float, reporter: Reporter | None = None,
+def gc(meta: MetaStore, store: ObjectStore, grace: float, reporter: Reporter | None = None,
        dry_run: bool = False) -> dict[str, Any]:
     """Delete chunk objects no version references, and stale staging areas.
 
@@ -334,7 +329,7 @@ def gc(meta: SqlMeta, store: ObjectStore, grace: float, reporter: Reporter | Non
     return stats
 
 
-def fsck(meta: SqlMeta, store: ObjectStore, reporter: Reporter | None = None, repair: bool = False
+def fsck(meta: MetaStore, store: ObjectStore, reporter: Reporter | None = None, repair: bool = False
          ) -> dict[str, Any]:
     """Re-hash every stored chunk object; report corrupt, missing and unindexed ones, and every version
     that is not complete (a missing blob or chunk). With `repair`, corrupt objects are deleted and their
@@ -393,7 +388,7 @@ def fsck(meta: SqlMeta, store: ObjectStore, reporter: Reporter | None = None, re
     return report
 
 
-def usage(meta: SqlMeta) -> dict[str, Any]:
+def usage(meta: MetaStore) -> dict[str, Any]:
     """Bytes stored in total and per user; the dedup ratio is the bytes all versions reference, counted
     once per version, over the bytes actually stored."""
     sizes = {row.tag: row.size for row in meta.chunk_rows() if row.state == 0}

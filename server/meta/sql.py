@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-from ..errors import BadRequest, Conflict, NotFound
+from ..errors import Conflict, NotFound
 from .base import (AuditEntry, ChunkRow, LockInfo, MetaStore, ParcelInfo, TokenInfo, UserInfo, VersionInfo,
-                   WebSession)
+                   WebSession, unpack_tags)
 
 BATCH = 500
 SCHEMA_VERSION = 3
@@ -54,10 +54,6 @@ def pack_tags(tags: Iterable[str]) -> bytes:
     return b"".join(sorted({bytes.fromhex(t) for t in tags}))
 
 
-def unpack_tags(data: bytes) -> list[str]:
-    return [data[i:i + 32].hex() for i in range(0, len(data), 32)]
-
-
 def pack_ordered_tags(tags: Iterable[str]) -> bytes:
     """A version's working set as stored: distinct 32-byte tags concatenated in the client's order
     (first touch first), which is the order a hoard should fetch them in."""
@@ -79,7 +75,7 @@ def _version(row: tuple[Any, ...]) -> VersionInfo:
 
 
 class SqlMeta(MetaStore):
-    """Every metadata operation, in SQL common to sqlite and PostgreSQL."""
+    """Every metadata operation of `MetaStore` (documented there), in SQL common to sqlite and PostgreSQL."""
 
     #: appended to the SELECT that takes a parcel row for a write transaction
     for_update = ""
@@ -120,7 +116,6 @@ class SqlMeta(MetaStore):
         return UserInfo(row[0], name, admin, now)
 
     def get_user(self, name: str) -> tuple[UserInfo, str] | None:
-        """The user and their password hash, or None."""
         with self._tx() as cur:
             row = cur.one("SELECT id, name, admin, created, pwhash FROM users WHERE name = ?", (name,))
         if row is None:
@@ -133,7 +128,6 @@ class SqlMeta(MetaStore):
         return [UserInfo(r[0], r[1], bool(r[2]), r[3]) for r in rows]
 
     def set_password(self, name: str, pwhash: str) -> None:
-        """Change a password and revoke every token and web session of the user."""
         with self._tx(write=True) as cur:
             row = cur.one("SELECT id FROM users WHERE name = ?", (name,))
             if row is None:
@@ -143,14 +137,7 @@ class SqlMeta(MetaStore):
             cur.run("DELETE FROM web_sessions WHERE user_id = ?", (row[0],))
             self._audit(cur, "isr-admin", "user.password", None, "", {"user": name})
 
-    def set_admin(self, name: str, admin: bool) -> None:
-        with self._tx(write=True) as cur:
-            if cur.run("UPDATE users SET admin = ? WHERE name = ?", (1 if admin else 0, name)) == 0:
-                raise NotFound(f"no user {name}")
-            self._audit(cur, "isr-admin", "user.admin", None, "", {"user": name, "admin": admin})
-
     def remove_user(self, name: str) -> None:
-        """Remove a user who owns no parcels (their tokens go with them)."""
         with self._tx(write=True) as cur:
             row = cur.one("SELECT id FROM users WHERE name = ?", (name,))
             if row is None:
@@ -179,7 +166,6 @@ class SqlMeta(MetaStore):
         return TokenInfo(token_id, user_id, row[0], bool(row[1]), label, now, now + ttl)
 
     def lookup_token(self, token_hash: str) -> TokenInfo | None:
-        """The unexpired token with this hash, or None."""
         with self._tx() as cur:
             row = cur.one("SELECT t.id, t.user_id, u.name, u.admin, t.label, t.created, t.expires "
                           "FROM tokens t JOIN users u ON u.id = t.user_id WHERE t.hash = ? AND t.expires > ?",
@@ -225,7 +211,6 @@ class SqlMeta(MetaStore):
         return ParcelInfo(*row, lock=lock)
 
     def find_parcel(self, owner: str, name: str) -> ParcelInfo:
-        """A parcel by owner and name."""
         with self._tx() as cur:
             row = cur.one("SELECT p.id FROM parcels p JOIN users o ON o.id = p.owner_id "
                           "WHERE o.name = ? AND p.name = ?", (owner, name))
@@ -234,7 +219,6 @@ class SqlMeta(MetaStore):
         return self.get_parcel(row[0])
 
     def list_parcels(self, owner_id: int | None = None) -> list[ParcelInfo]:
-        """Every parcel of one user (or of everyone), with its lock."""
         where, params = ("WHERE p.owner_id = ?", (owner_id,)) if owner_id is not None else ("", ())
         with self._tx() as cur:
             rows = cur.all(f"SELECT {_PARCEL_COLUMNS} FROM parcels p JOIN users o ON o.id = p.owner_id "
@@ -268,7 +252,6 @@ class SqlMeta(MetaStore):
         return _version(row)
 
     def version_tags(self, parcel: str, version: int) -> list[str]:
-        """Every chunk tag a version references."""
         with self._tx() as cur:
             row = cur.one("SELECT tags FROM versions WHERE parcel_id = ? AND version = ?", (parcel, version))
         if row is None:
@@ -276,8 +259,6 @@ class SqlMeta(MetaStore):
         return unpack_tags(bytes(row[0]))
 
     def version_chunk_tags(self, parcel: str, version: int, which: str) -> tuple[bool, list[str]]:
-        """The tags of a version's chunk set ``which``: "all" (sorted) or "working" (the working set the
-        committing client reported, in its order). Returns (whether the set was recorded, the tags)."""
         column = {"all": "tags", "working": "working_tags"}[which]
         with self._tx() as cur:
             row = cur.one(f"SELECT {column} FROM versions WHERE parcel_id = ? AND version = ?", (parcel, version))
@@ -288,7 +269,6 @@ class SqlMeta(MetaStore):
         return True, unpack_tags(bytes(row[0]))
 
     def all_version_tags(self) -> Iterator[tuple[str, int, bytes]]:
-        """(parcel, version, packed tags) for every version (for gc, fsck and usage)."""
         with self._tx() as cur:
             keys = cur.all("SELECT parcel_id, version FROM versions ORDER BY parcel_id, version")
         for parcel, version in keys:
@@ -298,7 +278,6 @@ class SqlMeta(MetaStore):
                 yield parcel, version, bytes(row[0])
 
     def delete_version(self, parcel: str, version: int, actor: str = "isr-admin") -> None:
-        """Forget an old version (never the current one)."""
         with self._tx(write=True) as cur:
             _owner, current = self._parcel_for_update(cur, parcel)
             if version == current:
@@ -310,14 +289,6 @@ class SqlMeta(MetaStore):
     def commit_version(self, parcel: str, nonce_hash: str, parent: int, tags: Sequence[str],
                        blobs: list[dict[str, Any]], host: str, site: str, actor: str, remote: str,
                        publish: Callable[[int], None], working_tags: Sequence[str] | None = None) -> VersionInfo:
-        """Commit version parent+1 atomically. ``working_tags`` (a subset of ``tags``, in first-touch order)
-        is the working set the client reports, or None if it reports none.
-
-        Refused with `Conflict` if the nonce is not the lock's (``lock_lost``), `parent` is not the current
-        version (``parent_mismatch``), or a referenced chunk is not in the index (``chunks_missing``).
-        After the checks, inside the transaction, `publish(new_version)` moves the staged blobs into place;
-        if it raises, nothing is committed.
-        """
         distinct = sorted(set(tags))
         now = time.time()
         with self._tx(write=True) as cur:
@@ -363,7 +334,6 @@ class SqlMeta(MetaStore):
             return self._get_lock(cur, parcel)
 
     def check_lock(self, parcel: str, nonce_hash: str) -> LockInfo:
-        """The lock if `nonce_hash` holds it, else `Conflict` (``lock_lost``)."""
         lock = self.get_lock(parcel)
         if lock is None or lock.lock_id != nonce_hash[:32]:
             raise Conflict("you do not hold the lock of this parcel (it was released or broken)", code="lock_lost")
@@ -372,12 +342,6 @@ class SqlMeta(MetaStore):
     def acquire_lock(self, parcel: str, user_id: int, nonce_hash: str, host: str, site: str, lease: int,
                      actor: str, remote: str, force: bool = False, take_expired: bool = False
                      ) -> tuple[LockInfo, LockInfo | None]:
-        """Acquire a parcel's lock; return (new lock, the lock it replaced if any).
-
-        Exactly one of several concurrent acquires inserts the lock row. A held lock is replaced only with
-        `force` (the caller checked the owner or an administrator asked) or, with `take_expired`, if its
-        lease ran out; otherwise `Conflict` (``locked``) names the holder.
-        """
         now = time.time()
         expires = now + lease if lease else None
         with self._tx(write=True) as cur:
@@ -411,8 +375,6 @@ class SqlMeta(MetaStore):
 
     def renew_lock(self, parcel: str, nonce_hash: str, lease: int, actor: str, remote: str,
                    dirty: tuple[int, int, float] | None = None) -> LockInfo:
-        """Extend the lease; with `dirty` = (chunks, bytes, reported) also record the holder's report of
-        changes it has not committed yet (a renew without a report keeps the previous one)."""
         now = time.time()
         with self._tx(write=True) as cur:
             if dirty is None:
@@ -441,10 +403,6 @@ class SqlMeta(MetaStore):
 
     def break_lock(self, parcel: str, actor: str, remote: str, reason: str = "",
                    expect_lock_id: str | None = None) -> LockInfo:
-        """Remove whoever holds the lock; return what was removed (`NotFound` if it was not locked).
-
-        With `expect_lock_id` only that very lock is broken: if the lock changed hands since the caller
-        looked (`Conflict`, ``lock_changed``), nothing happens."""
         with self._tx(write=True) as cur:
             self._parcel_for_update(cur, parcel)
             lock = self._get_lock(cur, parcel)
@@ -457,21 +415,15 @@ class SqlMeta(MetaStore):
         return lock
 
     def lock_ids(self) -> set[str]:
-        """The lock ids (staging area names) of every held lock."""
         with self._tx() as cur:
             return {row[0][:32] for row in cur.all("SELECT nonce_hash FROM locks")}
 
     # --- chunk index ------------------------------------------------------------------------------
 
     def chunk_add(self, tag: str, size: int) -> bool:
-        """Record an uploaded chunk (or refresh its touch time). Return False if gc is deleting it right
-        now (state 1): the caller must wait until `chunk_state` is None and upload again."""
         return tag not in self.chunks_add([(tag, size)])
 
     def chunks_add(self, chunks: Sequence[tuple[str, int]]) -> set[str]:
-        """`chunk_add` for many (tag, size) pairs in one transaction, so that a batch of uploads costs one
-        commit (`server.groupcommit`); every row gets the transaction's time as its touch time. Return the
-        tags gc is deleting right now."""
         refused: set[str] = set()
         now = time.time()
         with self._tx(write=True) as cur:
@@ -488,7 +440,6 @@ class SqlMeta(MetaStore):
         return None if row is None else row[0]
 
     def chunk_claim(self, tags: Sequence[str]) -> set[str]:
-        """Which of `tags` are stored (and not being deleted); touch those so gc keeps them."""
         present: set[str] = set()
         now = time.time()
         distinct = sorted(set(tags))
@@ -517,8 +468,6 @@ class SqlMeta(MetaStore):
         return out
 
     def chunk_doom(self, tags: Sequence[str], cutoff: float) -> list[str]:
-        """gc step 1: mark unreferenced chunks not touched since `cutoff` as being deleted; return those
-        actually marked (a chunk touched meanwhile is skipped)."""
         doomed: list[str] = []
         for start in range(0, len(tags), BATCH):
             batch = list(tags[start:start + BATCH])
@@ -535,7 +484,6 @@ class SqlMeta(MetaStore):
             return [r[0] for r in cur.all("SELECT tag FROM chunks WHERE state = 1")]
 
     def chunk_forget(self, tags: Sequence[str], only_doomed: bool = True) -> int:
-        """gc step 3 (only_doomed) or fsck repair: remove chunk rows."""
         count = 0
         for start in range(0, len(tags), BATCH):
             batch = list(tags[start:start + BATCH])
@@ -548,7 +496,6 @@ class SqlMeta(MetaStore):
     # --- web sessions and sign-in throttling ---------------------------------------------------------
 
     def add_web_session(self, session_hash: str, user_id: int, csrf: str, ttl: int, remote: str) -> WebSession:
-        """Record a browser session (only the SHA-256 of its cookie) with its CSRF token."""
         now = time.time()
         with self._tx(write=True) as cur:
             cur.run("DELETE FROM web_sessions WHERE expires < ?", (now,))
@@ -559,7 +506,6 @@ class SqlMeta(MetaStore):
         return WebSession(user_id, row[0], bool(row[1]), csrf, now, now + ttl)
 
     def lookup_web_session(self, session_hash: str) -> WebSession | None:
-        """The unexpired session whose cookie has this hash, or None."""
         with self._tx() as cur:
             row = cur.one("SELECT s.user_id, u.name, u.admin, s.csrf, s.created, s.expires FROM web_sessions s "
                           "JOIN users u ON u.id = s.user_id WHERE s.hash = ? AND s.expires > ?",
@@ -573,10 +519,6 @@ class SqlMeta(MetaStore):
             cur.run("DELETE FROM web_sessions WHERE hash = ?", (session_hash,))
 
     def signin_wait(self, keys: Sequence[tuple[str, int]], window: float, base_delay: float) -> float:
-        """Seconds until a sign-in for these (key, limit) pairs may be tried again (0: now).
-
-        A key with `limit` or more failures, the last less than `window` seconds ago, must wait
-        `base_delay` seconds, doubled for every further failure, at most `window`."""
         now = time.time()
         wait = 0.0
         with self._tx() as cur:
@@ -589,7 +531,6 @@ class SqlMeta(MetaStore):
         return max(wait, 0.0)
 
     def signin_failed(self, keys: Sequence[str], window: float) -> None:
-        """Count a failed sign-in against each key (a count older than `window` starts again)."""
         now = time.time()
         with self._tx(write=True) as cur:
             cur.run("DELETE FROM signin_failures WHERE last_failure < ?", (now - window,))
@@ -605,12 +546,10 @@ class SqlMeta(MetaStore):
     # --- audit ------------------------------------------------------------------------------------
 
     def audit(self, actor: str, action: str, parcel: str | None, remote: str, detail: dict[str, Any]) -> None:
-        """Record an audit entry in its own transaction (for refusals and admin actions)."""
         with self._tx(write=True) as cur:
             self._audit(cur, actor, action, parcel, remote, detail)
 
     def list_audit(self, parcel: str | None = None, limit: int = 100, before: int | None = None) -> list[AuditEntry]:
-        """The newest `limit` entries (of one parcel), older than entry id `before` if given; oldest first."""
         conditions: list[str] = []
         params: list[Any] = []
         if parcel:
@@ -683,10 +622,3 @@ def create_schema(cur: Cursor, blob: str, serial: str) -> None:
             cur.run(statement.format(blob=blob))
     if row[0] < SCHEMA_VERSION:
         cur.run("UPDATE schema_info SET value = ? WHERE name = 'version'", (SCHEMA_VERSION,))
-
-
-def check_json_list(value: object, what: str) -> list[Any]:
-    """A JSON array field, or `BadRequest`."""
-    if not isinstance(value, list):
-        raise BadRequest(f"{what} must be a JSON array", code=f"bad_{what}")
-    return value

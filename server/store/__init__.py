@@ -13,16 +13,16 @@ from __future__ import annotations
 
 from ..config import Config
 from .base import ObjectStore, Upload, chunk_key, envelope_key, staging_prefix, version_prefix
+from .directory import DirectoryStore
 
 
 def open_store(config: Config) -> ObjectStore:
     """Open the object store the configuration names."""
     if config["store.backend"] == "s3":
+        # Imported only when configured: boto3 takes a fifth of a second to load, on every isr-admin call.
         from .s3 import S3Store
 
         return S3Store(config)
-    from .directory import DirectoryStore
-
     return DirectoryStore(config.store_path)
 
 

@@ -10,6 +10,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..names import TAG_RE
+
 
 def chunk_key(tag: str) -> str:
     """``chunks/ab/cd/<tag>``."""
@@ -136,8 +138,6 @@ class ObjectStore(abc.ABC):
 
     def iter_chunks(self) -> Iterator[tuple[str, ObjectInfo]]:
         """(tag, info) for every object under chunks/ whose name is a well-formed tag."""
-        from ..names import TAG_RE
-
         for info in self.list("chunks/"):
             name = info.key.rsplit("/", 1)[-1]
             if TAG_RE.fullmatch(name) and info.key == chunk_key(name):

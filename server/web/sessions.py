@@ -1,7 +1,10 @@
 """Browser sessions, CSRF protection and sign-in throttling for the web pages.
 
 - A session is a random secret in the cookie ``__Host-isr_session`` (``Secure; HttpOnly; SameSite=Strict;
-  Path=/``); the database keeps only its SHA-256, like API tokens, plus the session's CSRF token.
+  Path=/``); the database keeps only its SHA-256, like API tokens, plus the session's CSRF token. Sessions
+  live in the database, not in a signed cookie (Starlette's SessionMiddleware), so that signing out, a
+  password change or removing the user ends them on the server, and every worker and server process
+  shares them without sharing a signing key.
 - Every POST must come from a page of this server: its ``Origin`` (or, failing that, ``Referer``) must be
   this server's own origin, and its form must carry the session's CSRF token (a synchronizer token). The
   sign-in form, which has no session yet, carries the value of a second cookie, ``__Host-isr_signin``
@@ -15,10 +18,9 @@ import hmac
 import re
 import secrets
 import urllib.parse
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ..app import Request
+from starlette.requests import Request
+from starlette.responses import Response
 
 SESSION_COOKIE = "__Host-isr_session"
 SIGNIN_COOKIE = "__Host-isr_signin"
@@ -33,26 +35,20 @@ def new_secret() -> str:
     return secrets.token_urlsafe(32)
 
 
-def cookies(request: "Request") -> dict[str, str]:
-    """The request's cookies (the first of each name)."""
-    out: dict[str, str] = {}
-    for header in request.headers.get("cookie", "").split(";"):
-        name, sep, value = header.strip().partition("=")
-        if sep and name and name not in out:
-            out[name] = value.strip()
-    return out
+def set_cookie(response: Response, name: str, value: str, max_age: int) -> None:
+    """Set a ``__Host-`` cookie: Secure, HttpOnly, SameSite=Strict, Path=/, no Domain."""
+    response.set_cookie(name, value, max_age=max_age, path="/", secure=True, httponly=True, samesite="strict")
 
 
-def set_cookie(name: str, value: str, max_age: int) -> tuple[bytes, bytes]:
-    """A ``Set-Cookie`` header for a ``__Host-`` cookie: Secure, HttpOnly, SameSite=Strict, Path=/."""
-    if not _TOKEN_RE.fullmatch(value):
-        raise ValueError(f"not a token for cookie {name}")  # only our own URL-safe tokens go into cookies
-    return (b"set-cookie",
-            f"{name}={value}; Path=/; Max-Age={max_age}; Secure; HttpOnly; SameSite=Strict".encode())
+def clear_cookie(response: Response, name: str) -> None:
+    response.delete_cookie(name, path="/", secure=True, httponly=True, samesite="strict")
 
 
-def clear_cookie(name: str) -> tuple[bytes, bytes]:
-    return b"set-cookie", f"{name}=; Path=/; Max-Age=0; Secure; HttpOnly; SameSite=Strict".encode()
+def cookie_token(request: Request, name: str) -> str | None:
+    """The request's cookie `name` if it holds a token we could have handed out, else None (checked
+    before it is hashed or looked up)."""
+    value = request.cookies.get(name)
+    return value if is_token(value) else None
 
 
 def is_token(value: str | None) -> bool:
@@ -67,7 +63,7 @@ def same_token(given: str | None, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
-def own_origin(request: "Request") -> str | None:
+def own_origin(request: Request) -> str | None:
     """This server's origin as the browser sees it: ``https://`` and the Host (or HTTP/2 :authority)."""
     host = request.headers.get("host") or request.headers.get(":authority")
     if not host:
@@ -75,7 +71,7 @@ def own_origin(request: "Request") -> str | None:
     return "https://" + host.lower()
 
 
-def same_origin(request: "Request") -> bool:
+def same_origin(request: Request) -> bool:
     """True if the request comes from a page of this server: by ``Origin``, or by ``Referer`` when a
     browser sent no ``Origin``. A request with neither is refused."""
     expected = own_origin(request)
