@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import re
 import urllib.parse
 from dataclasses import dataclass
@@ -291,8 +292,6 @@ def occurrences(data: bytes, source: str, start: dt.datetime, end: dt.datetime, 
 
 def _local_zone() -> ZoneInfo:
     """The machine's time zone (TZ, then /etc/localtime), UTC if none is configured."""
-    import os
-
     name = os.environ.get("TZ", "").lstrip(":")
     if not name:
         try:

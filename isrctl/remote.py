@@ -16,10 +16,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import socket
 import ssl
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -371,9 +373,6 @@ def fetch_certificate(url: str, timeout: float = 10.0) -> bytes:
     the one it was given (as `isr login` does) before trusting it. Raises RemoteUnreachable if no TLS
     connection can be made.
     """
-    import socket
-    from urllib.parse import urlsplit
-
     parts = urlsplit(url)
     if parts.scheme != "https" or not parts.hostname:
         raise RemoteError(f"the server URL must look like https://HOST:PORT, got {url!r}")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from isrprogress import Reporter, TerminalReporter, human_bytes as size
+from parcels.errors import ParcelError
 
 from . import auth, names, ops
 from .config import Config
@@ -447,8 +448,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from parcels.errors import ParcelError
-
     admin = None
     try:
         config = load_config(args)
