@@ -6,14 +6,19 @@ holds durable.
 """
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 
 def fsync_path(path: Path | str) -> None:
-    """fsync() the file or directory at ``path``. Raises OSError."""
+    """fsync() the file or directory at ``path``. A file system that cannot sync a directory (EINVAL) has
+    nothing more to make durable there. Raises OSError."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL or not os.path.isdir(path):
+            raise
     finally:
         os.close(fd)

@@ -14,12 +14,13 @@ a lot to it (1.5 GB being written here) one took 440 ms where a file and directo
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from parcels.durable import fsync_path
 
 from ..errors import NotFound, StorageError
 from .base import ObjectInfo, ObjectStore, Staged, Upload
@@ -73,7 +74,7 @@ class DirectoryStore(ObjectStore):
                 dirs[target.parent] = None
                 done += 1
             for directory in dirs:
-                _fsync_dir(directory)
+                fsync_path(directory)
         except OSError as e:
             for item in staged[done:]:
                 with contextlib.suppress(OSError):
@@ -128,7 +129,7 @@ class DirectoryStore(ObjectStore):
             # Objects are never modified in place, so a hard link is a safe copy.
             os.link(source, tmp)
             os.rename(tmp, target)
-            _fsync_dir(target.parent)
+            fsync_path(target.parent)
         except FileNotFoundError:
             raise NotFound(f"no object {src}") from None
         except OSError as e:
@@ -143,7 +144,7 @@ class DirectoryStore(ObjectStore):
             if target.exists():
                 shutil.rmtree(target)
             os.rename(source, target)
-            _fsync_dir(target.parent)
+            fsync_path(target.parent)
         except OSError as e:
             raise StorageError(f"cannot move {src} to {dst}: {e.strerror}") from None
 
@@ -198,7 +199,7 @@ class _FileUpload(Upload):
         self.close(sync=True)
         try:
             _rename_into(Path(self.name), target)
-            _fsync_dir(target.parent)
+            fsync_path(target.parent)
         except OSError as e:
             self.abort()
             raise StorageError(f"cannot store {key}: {e.strerror}") from None
@@ -221,14 +222,3 @@ def _rename_into(source: Path, target: Path) -> None:
     except FileNotFoundError:
         target.parent.mkdir(parents=True, exist_ok=True)
         os.rename(source, target)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-    finally:
-        os.close(fd)
