@@ -42,9 +42,6 @@ def test_human_sizes_rates_and_durations() -> None:
     assert human_bytes(None) == "-"
     assert human_rate(2.5 * MIB, "B") == "2.5 MiB/s" and human_rate(3.46, "chunks") == "3.5 chunks/s"
     assert [human_duration(s) for s in (0, 9.4, 65, 7380)] == ["0s", "9s", "1m05s", "2h03m"]
-    # The server's web pages still import the formatter by its old name: it is the same function.
-    from server.progress import human_size
-    assert human_size is human_bytes
 
 
 def test_no_rate_or_eta_until_measurable() -> None:
