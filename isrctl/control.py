@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isrprogress import JsonReporter, Replayer, Reporter
+
 from .errors import LockBroken, SessionError
 from .localstate import ParcelState
 from .paths import listen_private
-from .progress import JsonReporter, Replayer, Reporter
 
 #: The control socket, in the session's runtime directory.
 CONTROL_SOCKET = "session.sock"

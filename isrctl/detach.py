@@ -18,13 +18,13 @@ import sys
 import time
 from typing import Any
 
+from isrprogress import JsonReporter, Replayer, Reporter, TerminalReporter
 from parcels.parcel import ParcelKeys
 
 from . import keys as keymod
 from .control import Request, request
 from .errors import IsrError, LockBroken, LockRefused, SessionError
 from .localstate import DAMAGED, ParcelState
-from .progress import JsonReporter, Replayer, Reporter, TerminalReporter
 from .session import Session, SessionOptions
 
 log = logging.getLogger(__name__)

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from isrprogress import Reporter
 from parcels.chunk import chunk_count
 from parcels.keyring import Keyring
 from parcels.manifest import IMAGES, open_keyring, open_manifest
@@ -22,7 +23,6 @@ from . import paths, workingset
 from .checkout import Client
 from .errors import StateError
 from .localstate import POWEROFF, SUSPENDED, ParcelState
-from .progress import Reporter
 from .vulpes import Vulpes
 
 

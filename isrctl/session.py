@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isrprogress import Reporter
 from parcels import seal
 from parcels.chunk import chunk_count
 from parcels.durable import fsync_path
@@ -62,7 +63,6 @@ from .console import CONSOLE_SOCKET, ConsoleRelay
 from .control import CONTROL_SOCKET, ControlServer, Request
 from .errors import IsrError, LockBroken, SessionError, StateError, VMError, VulpesFailure
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState, write_file
-from .progress import Reporter
 from .qemu import VM, VMConfig
 from .remote import RemoteError, RemoteUnreachable
 from .vulpes import Vulpes

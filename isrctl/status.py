@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from isrprogress import NullReporter
 from parcels.errors import ParcelError
 from parcels.keyring import decode_stream
 from parcels.manifest import IMAGES
@@ -12,7 +13,6 @@ from . import checkin as checkinmod
 from . import control, paths, workingset
 from .errors import IsrError
 from .localstate import RUNNING, ParcelState
-from .progress import NullReporter
 from .vulpes import cache_object_path
 
 

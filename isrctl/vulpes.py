@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from isrprogress import Reporter, human_bytes
 from parcels.parcel import ParcelKeys
 from parcels.store import chunk_object_name
 
 from . import keys as keymod
 from . import paths
 from .errors import HoardStopped, VulpesFailure
-from .progress import Reporter, human_bytes
 
 log = logging.getLogger(__name__)
 

@@ -13,11 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from isrprogress import TerminalReporter
+
 from .. import keys as keymod
 from ..checkout import Client, lost_lock
 from ..errors import IsrError, StateError
 from ..localstate import POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState, local_parcels
-from ..progress import TerminalReporter
 
 log = logging.getLogger("isrctl")
 

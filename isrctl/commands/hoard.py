@@ -4,13 +4,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from isrprogress import human_bytes
+
 from .. import hoard as hoardmod
 from .. import paths
 from .. import schedule as schedulemod
 from ..checkout import Client
 from ..errors import StateError
 from ..keyhoard import hoard_with_key
-from ..progress import human_bytes
 from . import common
 
 

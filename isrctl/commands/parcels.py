@@ -8,13 +8,14 @@ import json
 import shutil
 
 
+from isrprogress import human_bytes
+
 from .. import checkin as checkinmod
 from .. import compat
 from .. import paths
 from ..checkout import Client, describe_holder, ensure_checkout, holding_lock, when
 from ..errors import IsrError, StateError
 from ..localstate import DAMAGED, LocalChange, local_parcels
-from ..progress import human_bytes
 from ..remote import RemoteError
 from ..rollback import rollback
 from ..status import parcel_status

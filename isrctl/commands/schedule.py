@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from isrprogress import LogReporter
+
 from .. import hoard as hoardmod
 from .. import paths
 from .. import schedule as schedulemod
 from ..checkout import Client
-from ..progress import LogReporter
 
 log = logging.getLogger("isrctl")
 
