@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import socket
 import statistics
@@ -409,6 +410,11 @@ def main() -> int:
             mbs = statistics.median(r["mb_s"] for r in runs)
             rows.append({"path": name, "req_s": round(rps), "mb_s": round(mbs, 1), "vs_nginx": round(rps / nginx_rps, 2),
                          "protocol": runs[0]["protocol"], "trials": [round(r["req_s"]) for r in runs]})
+            # With trees: each trial against the first tree's same path in the same trial (they ran back to back).
+            first = name.split(" [")[0] + f" [{trees[0][0]}]"
+            if trees[0][0] and first in results:
+                ratios = [r["req_s"] / b["req_s"] for r, b in zip(runs, results[first])]
+                rows[-1]["vs_first"] = round(statistics.median(ratios), 2)
         if curl_results:
             curl_nginx = statistics.median(r["req_s"] for r in curl_results["nginx (curl)"])
             for name, runs in curl_results.items():
@@ -430,21 +436,25 @@ def main() -> int:
                   f"{args.workers} server workers, {os.cpu_count()} cores, {platform.node()}, "
                   f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}Z")
         print(header)
-        print(f"{'path':<32} {'req/s':>8} {'MB/s':>8} {'vs nginx':>9}  trials (req/s)")
+        base = f"vs [{trees[0][0]}]" if trees[0][0] else ""
+        print(f"{'path':<32} {'req/s':>8} {'MB/s':>8} {'vs nginx':>9} {base:>11}  trials (req/s)")
         for row in rows:
-            print(f"{row['path']:<32} {row['req_s']:>8} {row['mb_s']:>8} {row['vs_nginx']:>9}  {row['trials']}")
+            print(f"{row['path']:<32} {row['req_s']:>8} {row['mb_s']:>8} {row['vs_nginx']:>9} "
+                  f"{row.get('vs_first', ''):>11}  {row['trials']}")
         python_table = ""
         if python_rows:
             python_table = table(["path", "µs of Python per chunk GET (best)", "each process's best"], python_rows)
             print(python_table)
         if args.json:
-            Path(args.json).write_text(json.dumps({"setup": header, "results": rows}, indent=2))
+            Path(args.json).write_text(json.dumps({"setup": header, "results": rows, "python": python_rows}, indent=2))
         if args.section:
-            command = " ".join(["bench/chunk_serving.py", *sys.argv[1:]])
+            command = shlex.join(["bench/chunk_serving.py", *sys.argv[1:]])
+            columns = ["path", "req/s (median)", "MB/s", "vs nginx"] + ([f"{base} (median of per-trial ratios)"]
+                                                                       if base else []) + ["trials (req/s)"]
             body = (f"Machine: {machine()}. Date: {today()}. Command: `.venv/bin/python {command}`.\n\n{header}.\n\n"
-                    + table(["path", "req/s (median)", "MB/s", "vs nginx", "trials (req/s)"],
-                            [[r["path"], str(r["req_s"]), str(r["mb_s"]), f"{r['vs_nginx']:.2f}",
-                              ", ".join(map(str, r["trials"]))] for r in rows]))
+                    + table(columns, [[r["path"], str(r["req_s"]), str(r["mb_s"]), f"{r['vs_nginx']:.2f}"]
+                                     + ([f"{r['vs_first']:.2f}" if "vs_first" in r else ""] if base else [])
+                                     + [", ".join(map(str, r["trials"]))] for r in rows]))
             if python_table:
                 body += ("\n\nPython per chunk GET inside the app (`--python`: no network, no TLS, cached token, "
                          f"sendfile path; the best round of 5000 calls in each of {args.trials} processes):\n\n"
