@@ -39,9 +39,6 @@ from .vulpes import cache_object_path
 
 log = logging.getLogger(__name__)
 
-#: Blobs that belong to one suspend: a new version never inherits them from its base.
-PER_SUSPEND = ("devstate", resumepack.BLOB_NAME)
-
 UPLOAD_THREADS = 4
 
 
@@ -129,6 +126,11 @@ def upload_from_cache(client: Client, tags: list[str], reporter: Reporter, *, la
     return sent
 
 
+def per_suspend(name: str) -> bool:
+    """Whether a blob belongs to one suspend (the device state, the resume pack): never inherited."""
+    return name == "devstate" or resumepack.is_part(name)
+
+
 def new_manifest(base: Manifest, change: LocalChange, streams: dict[str, bytes], qemu_version: str | None) \
         -> Manifest:
     """The manifest of version base + 1 describing the local state."""
@@ -137,17 +139,16 @@ def new_manifest(base: Manifest, change: LocalChange, streams: dict[str, bytes],
         stream = streams[image]
         images[image] = ImageInfo(size=base.images[image].size, keyring_sha256=crypto.sha256(stream),
                                   keyring_size=len(stream), chunks=(len(stream) - HEADER_SIZE) // RECORD_SIZE)
-    blobs = {name: info for name, info in base.blobs.items() if name not in PER_SUSPEND}
+    blobs = {name: info for name, info in base.blobs.items() if not per_suspend(name)}
     suspended = change.state == SUSPENDED
     vm = base.vm
     if suspended:
         assert change.devstate is not None
         blobs["devstate"] = BlobInfo(kind=seal.KIND_DEVSTATE, sha256=bytes.fromhex(change.devstate["sha256"]),
                                      size=int(change.devstate["size"]))
-        if change.resume_pack is not None:
-            blobs[resumepack.BLOB_NAME] = BlobInfo(kind=seal.KIND_DEVSTATE,
-                                                   sha256=bytes.fromhex(change.resume_pack["sha256"]),
-                                                   size=int(change.resume_pack["size"]))
+        for index, part in enumerate(change.resume_pack):
+            blobs[resumepack.part_name(index)] = BlobInfo(kind=seal.KIND_DEVSTATE, sha256=bytes.fromhex(part["sha256"]),
+                                                          size=int(part["size"]))
         vm = type(base.vm)(**{**base.vm.__dict__, "qemu_version": change.qemu_version or qemu_version})
     now = utc_now()
     counts = {image: chunk_count(base.chunk_size, base.images[image].size) for image in IMAGES}
@@ -209,15 +210,15 @@ def checkin(client: Client, state: ParcelState, parcel_keys: ParcelKeys, *, keep
             seal.open_sealed(parcel_keys.parcel_key, devstate_sealed, seal.KIND_DEVSTATE,
                              int(change.devstate["size"]) if change.devstate else 0)
             sealed["devstate"] = devstate_sealed
-            if change.resume_pack is not None:
-                pack_sealed = state.local_pack_path().read_bytes()
-                seal.open_sealed(parcel_keys.parcel_key, pack_sealed, seal.KIND_DEVSTATE, int(change.resume_pack["size"]))
-                sealed[resumepack.BLOB_NAME] = pack_sealed
+            for index, part in enumerate(change.resume_pack):
+                pack_sealed = state.local_pack_path(index).read_bytes()
+                seal.open_sealed(parcel_keys.parcel_key, pack_sealed, seal.KIND_DEVSTATE, int(part["size"]))
+                sealed[resumepack.part_name(index)] = pack_sealed
         manifest = new_manifest(base, change, changes.streams, change.qemu_version)
         sealed[MANIFEST] = seal_manifest(parcel_keys.parcel_key, manifest)
         for name, data in sealed.items():
             remote.put_blob(parcel, name, data, lock.nonce)
-        inherit = [name for name in manifest.blobs if name not in PER_SUSPEND]
+        inherit = [name for name in manifest.blobs if not per_suspend(name)]
         tags = [t.hex() for t in changes.all_tags]
         working = workingset.tags(manifest.working_set,
                                   {image: workingset.stream_records(changes.streams[image]) for image in IMAGES})

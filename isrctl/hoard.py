@@ -41,7 +41,8 @@ from .vulpes import ChunkFetch, cache_object_path
 log = logging.getLogger(__name__)
 
 #: Blobs every version has of its own and every resume fetches: not worth keeping ahead of time.
-PER_VERSION_BLOBS = frozenset({MANIFEST, *KEYRING_FILES.values(), "devstate", resumepack.BLOB_NAME})
+PER_VERSION_BLOBS = frozenset({MANIFEST, *KEYRING_FILES.values(), "devstate",
+                               *(resumepack.part_name(i) for i in range(resumepack.PARTS_MAX))})
 _VERSION_BLOB = re.compile(r"v([0-9]+)\.(.+)")
 
 

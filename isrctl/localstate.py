@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parcels import resumepack
 from parcels.keyring import Keyring
 from parcels.manifest import IMAGES
 
@@ -102,14 +103,15 @@ class LocalChange:
     """``local.json``: how the local state differs from the base version.
 
     ``devstate`` is the payload digest and size of ``local/devstate`` (state SUSPENDED), ``resume_pack``
-    those of ``local/resumepack`` if the suspend made one (`isrctl.pack`); ``working_set`` the chunk
-    indices the guest touched first, per image; ``reason`` says why the state is DAMAGED.
+    those of each part of the resume pack the suspend made, in order (``local/resumepack``,
+    ``local/resumepack.1``, ...; `isrctl.pack`); ``working_set`` the chunk indices the guest touched first,
+    per image; ``reason`` says why the state is DAMAGED.
     """
 
     state: str
     since: float = field(default_factory=time.time)
     devstate: dict[str, Any] | None = None
-    resume_pack: dict[str, Any] | None = None
+    resume_pack: list[dict[str, Any]] = field(default_factory=list)
     qemu_version: str | None = None
     suspended_at: str | None = None
     working_set: dict[str, list[int]] = field(default_factory=lambda: {"disk": [], "memory": []})
@@ -243,7 +245,8 @@ class ParcelState:
     def clear_local_change(self) -> None:
         _remove(self.dir / LOCAL)
         _remove(self.local_devstate_path())
-        _remove(self.local_pack_path())
+        for part in (self.dir / "local").glob(f"{resumepack.BLOB_NAME}*"):
+            _remove(part)
 
     def effective_local_change(self) -> LocalChange | None:
         """`local_change`, except that a RUNNING state whose session is gone is reported as DAMAGED (the
@@ -281,9 +284,9 @@ class ParcelState:
     def local_devstate_path(self) -> Path:
         return self.dir / "local" / "devstate"
 
-    def local_pack_path(self) -> Path:
-        """The sealed resume pack of a local suspend not yet checked in."""
-        return self.dir / "local" / "resumepack"
+    def local_pack_path(self, index: int) -> Path:
+        """Part ``index`` of the sealed resume pack of a local suspend not yet checked in."""
+        return self.dir / "local" / resumepack.part_name(index)
 
     def envelope(self) -> bytes | None:
         with contextlib.suppress(FileNotFoundError):

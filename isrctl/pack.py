@@ -2,12 +2,13 @@
 the next resume at a site whose cache lacks those chunks (doc/parcel-format.md, "Resume pack").
 
 A resumed guest does not need all of each 128 KiB chunk it faults on: before it answers, the test guest
-touches 5-6 MiB of its memory image spread over some 200 chunks (BENCHMARKS.md, "what the resumed guest
+touches 5-16 MiB of its memory image spread over 150-200 chunks (BENCHMARKS.md, "what the resumed guest
 touches"). vulpes's trace records the byte ranges of the reads the kernel sent it; the first `PACK_BYTES` of
 them after a resume, read back from the memory image at suspend, are the next resume's best prediction of
-what its guest touches first, as Firecracker's REAP records them. Sealed and compressed they cross the link
-in one transfer before QEMU loads the device state, and vulpes serves those bytes from RAM while the chunks
-follow in the background.
+what its guest touches first, as Firecracker's REAP records them (measured: 89 % of what the next guest
+touched in its first 10 s was in the first 16 MiB). They are packed in parts of `PART_BYTES`, in touch
+order. The first part crosses the link before QEMU loads the device state; the others follow in the
+background while the guest runs on the first, and vulpes serves their bytes from RAM ahead of the chunks.
 
 A session that booted cold makes no pack: what a boot touches says little about what a resume will.
 """
@@ -31,9 +32,11 @@ from .vulpes import Vulpes
 
 log = logging.getLogger(__name__)
 
-#: The most plaintext a pack holds. A little more than a resumed test guest touches before it answers
-#: (BENCHMARKS.md); compressed, about a quarter of it crosses the link before the guest starts.
-PACK_BYTES = 6 << 20
+#: The most plaintext a pack holds: more than a resumed test guest touches before it answers (BENCHMARKS.md).
+PACK_BYTES = 24 << 20
+#: The plaintext of one part; only the first is fetched before the guest starts (compressed, about a quarter
+#: of it crosses the link: 0.1 s at 100 Mbit/s, 1 s at 10).
+PART_BYTES = 4 << 20
 #: Touched ranges this close are packed as one extent: a later resume's read-around may straddle them.
 _JOIN_GAP = 16 << 10
 _PAGE = 4096
@@ -88,23 +91,33 @@ def extents(ranges: list[tuple[int, int]], image_size: int) -> list[tuple[int, i
     return [(offset, min(length, resumepack.EXTENT_MAX // _PAGE * _PAGE)) for offset, length in out]
 
 
-def build(trace: Path, memory: Path, image_size: int, limit: int = PACK_BYTES) -> bytes | None:
-    """The pack payload for the memory image at ``memory`` (vulpes's file, read after the guest stopped), from
-    this session's ``trace``; None if the trace recorded no memory reads."""
-    chosen = extents(first_touches(trace, "memory", limit), image_size)
-    if not chosen:
-        return None
+def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES,
+          part: int = PART_BYTES) -> list[bytes]:
+    """The pack's part payloads for the memory image at ``memory`` (vulpes's file, read after the guest
+    stopped), from this session's ``trace``, first touches first; none if the trace recorded no memory reads."""
+    groups: list[list[tuple[int, int]]] = [[]]
+    size = 0
+    for offset, length in first_touches(trace, "memory", limit):
+        if size >= part and len(groups) < resumepack.PARTS_MAX:
+            groups.append([])
+            size = 0
+        groups[-1].append((offset, length))
+        size += length
+    payloads = []
     fd = os.open(memory, os.O_RDONLY)
     try:
-        pieces = []
-        for offset, length in chosen:
-            data = os.pread(fd, length, offset)
-            if len(data) != length:
-                raise OSError(f"short read of {memory} at {offset}")
-            pieces.append((offset, data))
+        for group in groups:
+            pieces = []
+            for offset, length in extents(group, image_size):
+                data = os.pread(fd, length, offset)
+                if len(data) != length:
+                    raise OSError(f"short read of {memory} at {offset}")
+                pieces.append((offset, data))
+            if pieces:
+                payloads.append(resumepack.encode(image_size, pieces))
     finally:
         os.close(fd)
-    return resumepack.encode(image_size, pieces)
+    return payloads
 
 
 def seal_pack(parcel_keys: ParcelKeys, payload: bytes) -> bytes:
@@ -112,29 +125,43 @@ def seal_pack(parcel_keys: ParcelKeys, payload: bytes) -> bytes:
     return seal.seal(parcel_keys.parcel_key, seal.KIND_DEVSTATE, payload)
 
 
+def parts(manifest: Manifest) -> list[str]:
+    """The blob names of the version's pack parts, in order."""
+    names = []
+    for index in range(resumepack.PARTS_MAX):
+        if resumepack.part_name(index) not in manifest.blobs:
+            break
+        names.append(resumepack.part_name(index))
+    return names
+
+
 def worth_loading(state: ParcelState, manifest: Manifest) -> bool:
     """Whether the version has a pack and this site's cache lacks some of its memory image's chunks."""
-    if resumepack.BLOB_NAME not in manifest.blobs:
+    if not parts(manifest):
         return False
     records = decode_stream(state.base_stream("memory"))[2]
     cover = workingset.coverage(paths.chunk_cache_dir(), records)
     return cover.cached < cover.chunks
 
 
-def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, vulpes: Vulpes) -> int:
-    """Fetch the version's pack, check it and hand it to vulpes; returns its plaintext bytes (0: none used).
+def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, vulpes: Vulpes,
+         names: list[str]) -> int:
+    """Fetch the pack parts ``names`` in order, check each and hand it to vulpes; returns their plaintext bytes.
 
-    A pack that cannot be had or is damaged is skipped with a warning: the resume fetches those chunks as it
-    would without one."""
-    try:
-        sealed = remote.get_blob(state.parcel, manifest.version, resumepack.BLOB_NAME)
-        payload = open_blob(parcel_keys.parcel_key, sealed, manifest, resumepack.BLOB_NAME)
-        size = manifest.images["memory"].size
-        used = sum(extent.length for extent, _ in resumepack.decode(payload, size))
-        vulpes.preload("memory", payload)
-    except (IsrError, ParcelError, OSError) as exc:
-        log.warning("the resume pack of version %d is not used: %s", manifest.version, exc)
-        return 0
-    log.info("resume pack: %d bytes of memory served before their chunks (%d bytes crossed the link)", used,
-             len(sealed))
+    A part that cannot be had or is damaged ends the loading with a warning: the resume fetches those chunks
+    as it would without a pack."""
+    used = 0
+    for name in names:
+        try:
+            sealed = remote.get_blob(state.parcel, manifest.version, name)
+            payload = open_blob(parcel_keys.parcel_key, sealed, manifest, name)
+            size = manifest.images["memory"].size
+            part = sum(extent.length for extent, _ in resumepack.decode(payload, size))
+            vulpes.preload("memory", payload)
+        except (IsrError, ParcelError, OSError) as exc:
+            log.warning("the resume pack of version %d is not used from %s on: %s", manifest.version, name, exc)
+            break
+        used += part
+        log.info("resume pack %s: %d bytes of memory served before their chunks (%d bytes crossed the link)",
+                 name, part, len(sealed))
     return used

@@ -255,10 +255,8 @@ class Session:
         t = self._phase("hoard", t)
         self.resumed = devstate is not None
         if self.resumed and change is None and self.client is not None and pack.worth_loading(self.state, manifest):
-            used = pack.load(self.client.remote, self.state, manifest, self.keys, self.vulpes)
+            self._load_resume_pack(manifest)
             t = self._phase("resume pack", t)
-            if used:
-                self.reporter.say(f"  resume pack: {used / 2**20:.1f} MiB of memory ready before its chunks")
         self._start_vm(manifest, boot, devstate)
         t = self._phase("qemu", t)
         self._guest_started = True
@@ -669,7 +667,7 @@ class Session:
             self.vm.shutdown()
             t = _lap(phases, "quit QEMU", t)
             resume_pack = self._make_resume_pack()
-            if resume_pack is not None:
+            if resume_pack:
                 t = _lap(phases, "resume pack", t)
             change = LocalChange(state=SUSPENDED, devstate={"sha256": payload_digest, "size": size},
                                  resume_pack=resume_pack,
@@ -742,21 +740,42 @@ class Session:
         except RemoteError:
             return False
 
-    def _make_resume_pack(self) -> dict[str, Any] | None:
-        """Seal this session's resume pack into ``local/resumepack``; its digest and size, or None (the guest
-        booted cold here, the trace holds no memory reads, or the pack could not be made: it is optional)."""
+    def _load_resume_pack(self, manifest: Manifest) -> None:
+        """The version's resume pack to vulpes: its first part now, the others in the background while the guest
+        runs on the first (`isrctl.pack`)."""
+        assert self.client is not None and self.vulpes is not None
+        names = pack.parts(manifest)
+        used = pack.load(self.client.remote, self.state, manifest, self.keys, self.vulpes, names[:1])
+        if not used:
+            return
+        self.reporter.say(f"  resume pack: {used / 2**20:.1f} MiB of memory ready before its chunks"
+                          + (f", {len(names) - 1} more parts to follow" if len(names) > 1 else ""))
+        if len(names) > 1:
+            client, vulpes = self.client, self.vulpes
+
+            def rest() -> None:
+                with client.new_remote() as remote:
+                    pack.load(remote, self.state, manifest, self.keys, vulpes, names[1:])
+
+            threading.Thread(target=rest, name="resume-pack", daemon=True).start()
+
+    def _make_resume_pack(self) -> list[dict[str, Any]]:
+        """Seal this session's resume pack into ``local/resumepack*``; each part's digest and size, or none (the
+        guest booted cold here, the trace holds no memory reads, or the pack could not be made: it is
+        optional)."""
         assert self.vulpes is not None and self.manifest is not None
         if not self.resumed or self.trace_path is None:
-            return None
+            return []
+        made = []
         try:
-            payload = pack.build(self.trace_path, self.vulpes.memory, self.manifest.images["memory"].size)
-            if payload is None:
-                return None
-            write_file(self.state.local_pack_path(), pack.seal_pack(self.keys, payload))
+            payloads = pack.build(self.trace_path, self.vulpes.memory, self.manifest.images["memory"].size)
+            for index, payload in enumerate(payloads):
+                write_file(self.state.local_pack_path(index), pack.seal_pack(self.keys, payload))
+                made.append({"sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)})
         except (OSError, ParcelError) as exc:
             log.warning("this suspend makes no resume pack: %s", exc)
-            return None
-        return {"sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)}
+            return []
+        return made
 
     def _trace_working_set(self) -> dict[str, list[int]]:
         assert self.manifest is not None

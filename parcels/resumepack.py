@@ -1,6 +1,7 @@
 """The resume pack: plaintext extents of a version's memory image that its guest touched first after its last
 resume, so that the next resume serves them before any chunk of them arrives (doc/parcel-format.md,
-"Resume pack"). It travels as a sealed kind-3 blob named `BLOB_NAME`; opened, it lives only in RAM.
+"Resume pack"). It travels in parts, in first-touch order, as sealed kind-3 blobs named `part_name(0)`,
+`part_name(1)`, ... (at most `PARTS_MAX`); opened, it lives only in RAM.
 
 Payload: a header (magic ``ISRP``, version 1, three zero bytes, the image size, the extent count: ``>4sB3sQQ``),
 the extents (offset, length: ``>QI``) in strictly increasing, non-overlapping order, then their bytes in the
@@ -15,12 +16,26 @@ from dataclasses import dataclass
 from .errors import FormatError
 
 BLOB_NAME = "resumepack"
+#: The most parts a pack has (vulpes takes this many).
+PARTS_MAX = 32
 HEADER = struct.Struct(">4sB3sQQ")
 EXTENT = struct.Struct(">QI")
 MAGIC = b"ISRP"
 VERSION = 1
 #: The longest extent the format allows (its length is 32 bits).
 EXTENT_MAX = (1 << 32) - 1
+
+
+def part_name(index: int) -> str:
+    """The blob name of part ``index`` (0: ``resumepack``, then ``resumepack.1``, ...)."""
+    if not 0 <= index < PARTS_MAX:
+        raise FormatError(f"a resume pack has at most {PARTS_MAX} parts, not part {index}")
+    return BLOB_NAME if index == 0 else f"{BLOB_NAME}.{index}"
+
+
+def is_part(name: str) -> bool:
+    """Whether a blob name is a part of a resume pack."""
+    return name == BLOB_NAME or (name.startswith(BLOB_NAME + ".") and name[len(BLOB_NAME) + 1:].isdigit())
 
 
 @dataclass(frozen=True)

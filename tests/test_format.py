@@ -839,3 +839,11 @@ def test_resume_pack_round_trip_and_refusals() -> None:
     resumepack.EXTENT.pack_into(overlapping, resumepack.HEADER.size + resumepack.EXTENT.size, 4100, 4096)
     with pytest.raises(FormatError, match="extent 1 is empty, out of order, overlapping"):
         resumepack.decode(bytes(overlapping), size)
+
+
+def test_resume_pack_parts_are_named_in_order() -> None:
+    assert [resumepack.part_name(i) for i in range(3)] == ["resumepack", "resumepack.1", "resumepack.2"]
+    assert resumepack.is_part("resumepack") and resumepack.is_part("resumepack.31")
+    assert not resumepack.is_part("resumepack.x") and not resumepack.is_part("devstate")
+    with pytest.raises(FormatError, match="at most 32 parts"):
+        resumepack.part_name(resumepack.PARTS_MAX)

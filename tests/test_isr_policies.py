@@ -142,7 +142,7 @@ def test_resume_pack_serves_the_next_fresh_site(isr_env: IsrEnv, nets: list[NetS
         b.wait_session_end(parcel)
         manifest = committed_manifest(isr_env, parcel, 3)
         size = manifest.blobs[resumepack.BLOB_NAME].size
-        assert 0 < size <= 2 * pack.PACK_BYTES, size
+        assert 0 < size <= 2 * pack.PART_BYTES, size
 
         out = c.resume(parcel, "--policy", "demand").stdout
         match = re.search(r"resume pack: ([0-9.]+) MiB of memory ready before its chunks", out)

@@ -43,11 +43,14 @@ def test_build_reads_the_chosen_bytes_back_from_the_memory_image(tmp_path: Path)
     memory = tmp_path / "memory"
     image = bytes(range(256)) * (2 << 20 >> 8)
     memory.write_bytes(image)
-    payload = pack.build(trace, memory, len(image))
-    assert payload is not None
+    [payload] = pack.build(trace, memory, len(image))
     got = [(e.offset, bytes(data)) for e, data in resumepack.decode(payload, len(image))]
     assert [offset for offset, _ in got] == [8192, 397312, 1179648]
     assert all(data == image[offset:offset + len(data)] for offset, data in got)
+    # Parts of 32 KiB: the first touch alone fills the first part; the next ones go to the second.
+    parts = [[e.offset for e, _ in resumepack.decode(p, len(image))] for p in pack.build(trace, memory, len(image),
+                                                                                         part=32768)]
+    assert parts == [[397312], [8192, 1179648]]
     empty = tmp_path / "empty.trace"
     empty.write_text("# vulpes-trace 2 chunk_size=131072\n")
-    assert pack.build(empty, memory, len(image)) is None
+    assert pack.build(empty, memory, len(image)) == []

@@ -152,7 +152,7 @@ static json_t *op_preload(Control *c, json_t *request) {
         if (r < 0) {
                 crypto_wipe(data, len);
                 free(data);
-                return error_response(r == -EBUSY ? "the %s image has a resume pack already" :
+                return error_response(r == -EBUSY ? "the %s image has all the resume pack parts it takes" :
                                       "the resume pack for the %s image is not valid", name);
         }
         return op_status(c);

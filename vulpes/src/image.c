@@ -64,6 +64,14 @@ enum {
         READAHEAD_FETCH = 4,               /* chunks after a sequential read fetched from the server */
 };
 
+/* One part of the resume pack: its payload and the extents that point into it. */
+typedef struct Pack {
+        uint8_t *payload;
+        size_t len;
+        PackExtent *extents;
+        size_t n;
+} Pack;
+
 typedef struct Chunk {
         uint8_t *data;
         uint8_t state;
@@ -107,11 +115,9 @@ struct Image {
         pthread_t ra_workers[READAHEAD_WORKERS];
         size_t ra_started;
 
-        /* The resume pack (image_preload): set once under lock, read-only after, freed with the image. */
-        uint8_t *pack;
-        size_t pack_len;
-        PackExtent *pack_extents;
-        size_t pack_n;
+        /* The resume pack's parts (image_preload): each added under lock, read-only after, freed with the image. */
+        Pack packs[IMAGE_PACKS_MAX];
+        size_t n_packs;
         uint64_t pack_bytes;
 
         pthread_mutex_t flush_lock;        /* one flush at a time */
@@ -514,29 +520,44 @@ static void account(Image *img, uint64_t idx, TraceOp op, StatsTier tier, uint64
         trace_record(img->src.trace, img->name, idx, op, tier, offset, length);
 }
 
-/* The resume pack's bytes for [pos, pos + len) if one of its extents holds all of them, else NULL. */
-static const uint8_t *pack_find_locked(Image *img, uint64_t pos, size_t len) {
-        size_t lo = 0, hi = img->pack_n;
+/* A part's bytes for [pos, pos + len) if one of its extents holds all of them, else NULL. */
+static const uint8_t *pack_find(const Pack *pk, uint64_t pos, size_t len) {
+        size_t lo = 0, hi = pk->n;
         const PackExtent *e;
 
         while (lo < hi) {
                 size_t mid = lo + (hi - lo) / 2;
 
-                if (img->pack_extents[mid].offset <= pos)
+                if (pk->extents[mid].offset <= pos)
                         lo = mid + 1;
                 else
                         hi = mid;
         }
         if (lo == 0)
                 return NULL;
-        e = &img->pack_extents[lo - 1];
+        e = &pk->extents[lo - 1];
         return pos + len <= e->offset + e->len ? e->data + (pos - e->offset) : NULL;
+}
+
+/* The resume pack's bytes for [pos, pos + len) from the first part that holds all of them (parts may
+ * overlap: they hold the same version's bytes), else NULL. */
+static const uint8_t *pack_find_locked(Image *img, uint64_t pos, size_t len) {
+        for (size_t i = 0; i < img->n_packs; i++) {
+                const uint8_t *p = pack_find(&img->packs[i], pos, len);
+
+                if (p)
+                        return p;
+        }
+        return NULL;
 }
 
 static bool in_pack(const Image *img, const void *p) {
         const uint8_t *b = p;
 
-        return img->pack && b >= img->pack && b < img->pack + img->pack_len;
+        for (size_t i = 0; i < img->n_packs; i++)
+                if (b >= img->packs[i].payload && b < img->packs[i].payload + img->packs[i].len)
+                        return true;
+        return false;
 }
 
 int image_preload(Image *img, uint8_t *payload, size_t len) {
@@ -551,18 +572,15 @@ int image_preload(Image *img, uint8_t *payload, size_t len) {
         for (size_t i = 0; i < n; i++)
                 bytes += extents[i].len;
         pthread_mutex_lock(&img->lock);
-        if (img->pack) {
+        if (img->n_packs == IMAGE_PACKS_MAX) {
                 pthread_mutex_unlock(&img->lock);
                 free(extents);
                 return -EBUSY;
         }
-        img->pack = payload;
-        img->pack_len = len;
-        img->pack_extents = extents;
-        img->pack_n = n;
-        img->pack_bytes = bytes;
+        img->packs[img->n_packs++] = (Pack) { .payload = payload, .len = len, .extents = extents, .n = n };
+        img->pack_bytes += bytes;
         pthread_mutex_unlock(&img->lock);
-        log_info("%s: resume pack of %zu extents, %llu bytes", img->name, n, (unsigned long long) bytes);
+        log_info("%s: resume pack part of %zu extents, %llu bytes", img->name, n, (unsigned long long) bytes);
         return 0;
 }
 
@@ -601,7 +619,7 @@ ssize_t image_read_pin(Image *img, size_t len, uint64_t offset, struct iovec *io
                         done += piece;
                         continue;
                 }
-                if (c->state != CHUNK_READY && !c->pack_stale && img->pack) {
+                if (c->state != CHUNK_READY && !c->pack_stale && img->n_packs) {
                         const uint8_t *p = pack_find_locked(img, pos, piece);
 
                         if (p) {
@@ -1041,10 +1059,11 @@ Image *image_free(Image *img) {
         bufpool_free(img->chunk_pool);
         free(img->zeros);
         crypto_wipe(img->kw, sizeof(img->kw));
-        if (img->pack)
-                crypto_wipe(img->pack, img->pack_len);
-        free(img->pack);
-        free(img->pack_extents);
+        for (size_t i = 0; i < img->n_packs; i++) {
+                crypto_wipe(img->packs[i].payload, img->packs[i].len);
+                free(img->packs[i].payload);
+                free(img->packs[i].extents);
+        }
         free(img->chunks);
         free(img->records);
         free(img->present);

@@ -80,11 +80,13 @@ ssize_t image_read_pin(Image *img, size_t len, uint64_t offset, struct iovec *io
 void image_read_release(Image *img, const struct iovec *iov, size_t n, uint64_t offset);
 
 /*
- * Takes the resume pack of this image (its payload, vulpes/src/pack.h, malloc()ed; owned by the image from
- * then on, wiped when it is freed): reads of bytes it holds, in chunks that are not in RAM and have not been
- * written since, are served from it without loading the chunk.  Once per image: -EBUSY after; -EBADMSG if
- * the payload is not a pack for this image (then the caller keeps it).
+ * Takes one part of this image's resume pack (its payload, vulpes/src/pack.h, malloc()ed; owned by the image
+ * from then on, wiped when it is freed): reads of bytes a part holds, in chunks that are not in RAM and have
+ * not been written since, are served from it without loading the chunk.  Parts may come while the guest
+ * runs, up to IMAGE_PACKS_MAX (-EBUSY after); -EBADMSG if the payload is not a pack for this image (then the
+ * caller keeps it).
  */
+#define IMAGE_PACKS_MAX 32
 int image_preload(Image *img, uint8_t *payload, size_t len);
 
 /*
