@@ -230,7 +230,18 @@ http {{
         self.proc.wait(timeout=20)
 
 
-def start_versitygw(work: Path) -> tuple[subprocess.Popen, dict]:
+class Process:
+    """A process started here that `stop()` ends, as IsrServer and Nginx are."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=20)
+
+
+def start_versitygw(work: Path) -> tuple[subprocess.Popen[bytes], dict]:
     binary = shutil.which("versitygw") or "/usr/local/bin/versitygw"
     data = work / "s3"
     data.mkdir()
@@ -267,6 +278,7 @@ def handler_time(tree: str, rounds: int = 15, calls: int = 5000) -> float:
     from server.app import IsrApp
     from server.config import build
     from server.meta import open_meta
+    from starlette.types import Message
 
     root = Path(tempfile.mkdtemp(prefix="isr-bench-"))
     try:
@@ -285,22 +297,22 @@ def handler_time(tree: str, rounds: int = 15, calls: int = 5000) -> float:
                  "client": ("127.0.0.1", 40000), "extensions": {"http.response.pathsend": {}}}
 
         async def measure() -> float:
-            started: list[dict] = []
+            started: list[Message] = []
             startup: asyncio.Queue[dict] = asyncio.Queue()
             await startup.put({"type": "lifespan.startup"})
 
-            async def lifespan_send(message: dict) -> None:
+            async def lifespan_send(message: Message) -> None:
                 started.append(message)
 
             lifespan = asyncio.ensure_future(app({"type": "lifespan"}, startup.get, lifespan_send))
             while not started:
                 await asyncio.sleep(0.01)
-            sent: list[dict] = []
+            sent: list[Message] = []
 
             async def receive() -> dict:
                 return {"type": "http.request", "body": b"", "more_body": False}
 
-            async def send(message: dict) -> None:
+            async def send(message: Message) -> None:
                 sent.append(message)
 
             await app(dict(scope), receive, send)
@@ -366,7 +378,7 @@ def main() -> int:
         uris = work / "uris.txt"
         uris.write_text("".join(f"/v1/chunks/{t}\n" for t in tags))
         directory = {"store.backend": "directory", "store.path": str(store_root)}
-        targets: list[tuple[str, object]] = []
+        targets: list[tuple[str, IsrServer | Nginx]] = []
         for serving in args.paths.split(","):
             for label, tree in trees:
                 server = IsrServer(work, directory, serving, args.workers, tree)
@@ -374,7 +386,7 @@ def main() -> int:
                 targets.append((f"isr-server {serving}" + (f" [{label}]" if label else ""), server))
         if args.s3:
             gw, s3 = start_versitygw(work)
-            started.append(type("GW", (), {"stop": lambda self: (gw.terminate(), gw.wait(timeout=20))})())
+            started.append(Process(gw))
             upload_to_s3(s3, store_root, tags)
             server = IsrServer(work, s3, "stream", args.workers)
             started.append(server)

@@ -275,7 +275,7 @@ def throughput(results: dict[str, Any]) -> str:
             phases = base.get("t4_phases") or {}
             base_s = (phases.get("boot files") or 0) + (phases.get("hoard") or 0)
         base_rate = mbit(base.get("t4_link_bytes"), base_s) if base else None
-        site_as = {}
+        site_as: dict[str, dict[str, Any]] = {}
         for c in cells:
             a = c.get("site_a") or {}
             if a.get("status") == "ok":

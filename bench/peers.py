@@ -187,7 +187,7 @@ def _fetch_all(site: NetSite, downloads: list[tuple[str, Path]]) -> None:
                     raise PeerError(f"fetching {url} took more than {FETCH_TIMEOUT:g} s") from None
                 if proc.returncode != 0:
                     err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
-                    raise PeerError(f"fetching {url}: {proc.args[-1] if proc is curl else 'zstd'} exited with "
+                    raise PeerError(f"fetching {url}: {'curl' if proc is curl else 'zstd'} exited with "
                                     f"{proc.returncode}: {err[-500:]}")
     finally:
         for _, curl, unzstd in pipelines:

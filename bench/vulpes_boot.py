@@ -32,14 +32,14 @@ from nginx_origin import Nginx
 from vulpes_common import (NETNS, NS_ADDR, REPO, machine, netns, shape, start_server, table, today,
                            update_section)
 
-from tools.guest import booted_guest, build  # noqa: E402
+from tools.guest import BootedGuest, GuestArtifacts, booted_guest, build  # noqa: E402
 from tests.vulpes_fixtures import Vulpes, make_state  # noqa: E402
 
 MIB = 1 << 20
 NGINX_PORT = 8444
 
 
-def run_workload(guest, artifacts) -> float:
+def run_workload(guest: BootedGuest, artifacts: GuestArtifacts) -> float:
     """The guest's workload (reads every source file on its disk); checked against the expected result."""
     start = time.monotonic()
     result = guest.console.run_workload(timeout=120)
@@ -97,7 +97,7 @@ def main() -> None:
                     drive = (f"file.driver=https,file.url={url},file.sslverify=off,file.timeout=60,format=raw,"
                              "if=none,id=disk0,snapshot=on")
                     try:
-                        with booted_guest(artifacts, None, run_dir=work, name="curl",  # type: ignore[arg-type]
+                        with booted_guest(artifacts, None, run_dir=work, name="curl",
                                           ready_timeout=600,
                                           extra_args=("-drive", drive, "-device", "virtio-blk-pci,drive=disk0")
                                           ) as guest:

@@ -162,8 +162,9 @@ def start_server(work: Path, workers: int = 2) -> NsServer:
                             stdout=subprocess.PIPE, stderr=open(data / "server.log", "w"), text=True,
                             start_new_session=True)
     url = fingerprint = ""
-    assert proc.stdout is not None
-    for line in proc.stdout:
+    stdout = proc.stdout
+    assert stdout is not None
+    for line in stdout:
         if "listening on " in line:
             url = line.split("listening on ", 1)[1].strip()
         elif "certificate fingerprint " in line:
@@ -173,7 +174,7 @@ def start_server(work: Path, workers: int = 2) -> NsServer:
     if not url:
         proc.kill()
         raise SystemExit(f"isr-server did not start:\n{(data / 'server.log').read_text()}")
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    threading.Thread(target=lambda: [None for _ in stdout], daemon=True).start()
     deadline = time.monotonic() + 30
     while True:
         try:

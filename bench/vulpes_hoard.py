@@ -17,16 +17,17 @@ import argparse
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
-from vulpes_common import (REPO, link_bandwidth, machine, netns, shape, start_server, table, today,
+from vulpes_common import (REPO, NsServer, link_bandwidth, machine, netns, shape, start_server, table, today,
                            update_section)
 
-from tests.vulpes_fixtures import Vulpes, make_state  # noqa: E402
+from tests.vulpes_fixtures import ParcelState, Vulpes, make_state  # noqa: E402
 
 MIB = 1 << 20
 
 
-def hoard_once(binary: Path, work: Path, state, server, window: int) -> dict:
+def hoard_once(binary: Path, work: Path, state: ParcelState, server: NsServer, window: int) -> dict[str, Any]:
     cache = work / f"cache-{window}-{os.urandom(4).hex()}"
     with Vulpes(binary, work / "mnt", state, cache, server=server.url, token_file=server.token_file,
                 pin=server.pin, extra=[f"--hoard-window={window}"]) as v:

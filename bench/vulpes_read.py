@@ -23,7 +23,6 @@ import argparse
 import os
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path

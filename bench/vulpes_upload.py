@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from toxiproxy import Toxiproxy
-from vulpes_common import REPO, NS_ADDR, link_bandwidth, netns, shape, start_server
+from vulpes_common import REPO, NS_ADDR, NsServer, link_bandwidth, netns, shape, start_server
 
 from tests.vulpes_fixtures import CHUNK_SIZE, Vulpes, make_state  # noqa: E402
 
@@ -48,7 +48,8 @@ def content(chunks: int, seed: int, random_fraction: float = 0.3) -> bytes:
     return bytes(out)
 
 
-def upload_once(binary: Path, work: Path, url: str, server, data: bytes, trial: int) -> tuple[int, int, float]:
+def upload_once(binary: Path, work: Path, url: str, server: NsServer, data: bytes,
+                trial: int) -> tuple[int, int, float]:
     """(chunks, object bytes, seconds) of one `upload` of freshly written data."""
     state = make_state(work / f"up-{trial}", bytes(len(data)), MIB, seed=trial)
     with Vulpes(binary, work / f"mnt-up-{trial}", state, work / f"cache-up-{trial}", server=url,
@@ -67,7 +68,7 @@ def upload_once(binary: Path, work: Path, url: str, server, data: bytes, trial: 
         return writeback["uploaded_chunks"], writeback["uploaded_bytes"], seconds
 
 
-def hoard_once(binary: Path, work: Path, url: str, server, data: bytes, trial: int) -> tuple[int, int, float]:
+def hoard_once(binary: Path, work: Path, url: str, server: NsServer, data: bytes, trial: int) -> tuple[int, int, float]:
     """(chunks, object bytes, seconds) of a hoard of everything into an empty cache."""
     state = make_state(work / f"hoard-{trial}", data, MIB, seed=trial + 50)
     state.publish(server.store)

@@ -253,7 +253,7 @@ def occurrences(data: bytes, source: str, start: dt.datetime, end: dt.datetime, 
     for block in blocks:
         try:
             parsed = icalendar.Calendar.from_ical(_frame(keep, block.lines))
-            events = parsed.walk("VEVENT")
+            events = parsed.events
             why = _check_event(events[0]) if events else "no event found"
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             why = f"unreadable event: {exc}"

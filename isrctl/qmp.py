@@ -73,7 +73,9 @@ class QMPConnection:
         ...), or None if it sent none."""
         for event in reversed(self._client.events.history):
             if event.get("event") == "SHUTDOWN":
-                return str(event.get("data", {}).get("reason", "")) or None
+                data = event.get("data")
+                reason = data.get("reason", "") if isinstance(data, dict) else ""
+                return str(reason) or None
         return None
 
     def close(self) -> None:

@@ -118,7 +118,7 @@ def _pinned_context(fingerprint: str) -> ssl.SSLContext:
     want = bytes.fromhex(normalize_fingerprint(fingerprint))
 
     class PinnedSocket(ssl.SSLSocket):
-        def do_handshake(self, block: bool = False) -> None:  # type: ignore[override]
+        def do_handshake(self, block: bool = False) -> None:
             super().do_handshake(block)
             der = self.getpeercert(binary_form=True) or b""
             if not hmac.compare_digest(hashlib.sha256(der).digest(), want):

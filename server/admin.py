@@ -169,8 +169,8 @@ class Admin:
             counts[parcel.owner] = counts.get(parcel.owner, 0) + 1
         data = [{"user": u.name, "admin": u.admin, "created": u.created, "parcels": counts.get(u.name, 0)}
                 for u in users]
-        self.out(data, lambda: _table([[d["user"], "yes" if d["admin"] else "", str(d["parcels"]), _when(d["created"])]
-                                        for d in data], ["USER", "ADMIN", "PARCELS", "CREATED"]))
+        self.out(data, lambda: _table([[u.name, "yes" if u.admin else "", str(counts.get(u.name, 0)), _when(u.created)]
+                                        for u in users], ["USER", "ADMIN", "PARCELS", "CREATED"]))
 
     # --- parcels ----------------------------------------------------------------------------------
 
@@ -287,10 +287,10 @@ class Admin:
         data = [{"parcel": p.id, "owner": p.owner, "name": p.name, "lock": p.lock.to_json() if p.lock else None}
                 for p in parcels]
         self.out(data, lambda: _table(
-            [[d["parcel"], f"{d['owner']}/{d['name']}"] + (
-                [d["lock"]["user"], d["lock"]["host"], d["lock"]["site"], _when(d["lock"]["acquired"]),
-                 str(d["lock"]["version"]), _when(d["lock"]["expires"]) + (" (expired)" if d["lock"]["expired"] else "")]
-                if d["lock"] else ["-", "", "", "", "", ""]) for d in data],
+            [[p.id, f"{p.owner}/{p.name}"] + (
+                [p.lock.user, p.lock.host, p.lock.site, _when(p.lock.acquired), str(p.lock.version),
+                 _when(p.lock.expires) + (" (expired)" if p.lock.expired() else "")]
+                if p.lock else ["-", "", "", "", "", ""]) for p in parcels],
             ["PARCEL", "OWNER/NAME", "HOLDER", "HOST", "SITE", "SINCE", "VERSION", "EXPIRES"]))
 
     def lock_break(self, args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 
+from starlette.responses import Response
 from starlette.routing import Route, Router
 from starlette.types import Receive, Scope, Send
 
@@ -90,6 +91,7 @@ class IsrApp:
             await self.lifespan(receive, send)
 
     async def not_found(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response: Response
         if API_PATH.fullmatch(scope["path"]):
             response = error_json(NotFound(f"no such endpoint: {scope['path']}"))
         else:

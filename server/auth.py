@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Mapping
+from typing import Any
 
 SCRYPT_LOG2N = 14
 SCRYPT_R = 8
@@ -77,7 +79,7 @@ def signin_subjects(user: str | None, address: str) -> list[tuple[str, int]]:
     return [(f"{kind}:{values[kind]}", limit) for kind, limit in SIGNIN_LIMITS]
 
 
-def client_address(scope: dict) -> str:  # type: ignore[type-arg]
+def client_address(scope: Mapping[str, Any]) -> str:
     """The client's IP address from an ASGI scope ("-" if unknown)."""
     client = scope.get("client")
     return str(client[0]) if client else "-"

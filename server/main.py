@@ -113,8 +113,10 @@ def serve(config: Config, sock: socket.socket, cert: Path, key: Path) -> None:
 
         def _init_shared_socket(self) -> None:
             self._ssp = None
-            self._shd = SocketHolder(sock.fileno(), False, 1024)
-            self._sfd = sock.fileno()
+            # granian's stubs are narrower than granian: SocketHolder(fd, uds, backlog) is missing from
+            # _granian.pyi, and Server.__init__ sets _shd and _sfd to None without an annotation.
+            self._shd = SocketHolder(sock.fileno(), False, 1024)  # type: ignore[call-arg,assignment]
+            self._sfd = sock.fileno()  # type: ignore[assignment]
             self._sso = sock
 
         def _drop_shared_socket(self) -> None:

@@ -405,9 +405,9 @@ def usage(meta: MetaStore) -> dict[str, Any]:
             entry["logical_bytes"] += version.chunk_bytes
             entry["blob_bytes"] += sum(b["size"] for b in version.blobs if not b.get("inherited"))
     for parcel, _version, packed in meta.all_version_tags():
-        owner = owners.get(parcel)
-        if owner is not None:
-            per_user[owner]["_tags"].update(unpack_tags(packed))
+        tag_owner = owners.get(parcel)
+        if tag_owner is not None:
+            per_user[tag_owner]["_tags"].update(unpack_tags(packed))
     for entry in per_user.values():
         tags = entry.pop("_tags")
         entry["unique_chunk_bytes"] = sum(sizes.get(t, 0) for t in tags)

@@ -83,6 +83,10 @@ def test_users(server_env: ServerEnv, tmp_path: Path) -> None:
     env.admin("user", "add", "carol", "--password-file", "-", input_text="first\n")
     users = {u["user"]: u for u in env.admin_json("user", "list")}
     assert "carol" in users and users["root"]["admin"] is True and users["carol"]["admin"] is False
+    header, *lines = env.admin("user", "list").stdout.splitlines()  # the table for people
+    rows = {line.split()[0]: line.split() for line in lines}
+    assert header.split() == ["USER", "ADMIN", "PARCELS", "CREATED"]
+    assert rows["root"][1] == "yes" and rows["carol"][1] == "0" and rows["carol"][3].endswith("Z"), lines
     with env.server.client() as client:
         client.login("carol", "first")
         env.admin("user", "password", "carol", "--password-file", "-", input_text="second\n")
@@ -175,6 +179,9 @@ def test_lock_show_and_break(server_env: ServerEnv, tmp_path: Path) -> None:
         shown = env.admin_json("lock", "show", parcel)
         assert shown[0]["lock"]["host"] == "laptop.example" and shown[0]["lock"]["site"] == "home"
         assert parcel in [item["parcel"] for item in env.admin_json("lock", "show")]
+        header, row = env.admin("lock", "show", parcel).stdout.splitlines()  # the table for people
+        assert header.split() == ["PARCEL", "OWNER/NAME", "HOLDER", "HOST", "SITE", "SINCE", "VERSION", "EXPIRES"]
+        assert row.split()[:5] == [parcel, "alice/lockme", "alice", "laptop.example", "home"], row
         refused = env.admin("parcel", "remove", parcel, check=False)
         assert refused.returncode == 1
         broken = env.admin_json("lock", "break", "alice/lockme", "--reason", "stolen laptop")

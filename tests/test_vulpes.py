@@ -34,6 +34,7 @@ MIB = 1 << 20
 
 
 def fault_vulpes(binary: Path, tmp_path: Path, state, server: FaultServer, **kwargs) -> Vulpes:
+    assert server.token is not None, "vulpes needs a server that checks a token"
     token = tmp_path / "fault-token"
     token.write_text(server.token + "\n")
     return Vulpes(binary, tmp_path / "mnt", state, tmp_path / "cache", server=server.url, token_file=token,
@@ -749,6 +750,7 @@ def test_pinned_key_and_cache_index_rebuild(vulpes_binary: Path, tmp_path: Path)
     store = tmp_path / "store"
     state.publish(store)
     server = FaultServer(store, tmp_path).start()
+    assert server.token is not None
     token = tmp_path / "fault-token"
     token.write_text(server.token)
     try:

@@ -25,15 +25,15 @@ class _PgCursor:
         self.cur = cur
 
     def run(self, sql: str, params: Sequence[Any] = ()) -> int:
-        self.cur.execute(sql.replace("?", "%s"), params)  # type: ignore[arg-type]
+        self.cur.execute(sql.replace("?", "%s"), params)
         return self.cur.rowcount
 
     def one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
-        self.cur.execute(sql.replace("?", "%s"), params)  # type: ignore[arg-type]
+        self.cur.execute(sql.replace("?", "%s"), params)
         return self.cur.fetchone()
 
     def all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        self.cur.execute(sql.replace("?", "%s"), params)  # type: ignore[arg-type]
+        self.cur.execute(sql.replace("?", "%s"), params)
         return self.cur.fetchall()
 
 

@@ -68,6 +68,12 @@ def _lock(row: tuple[Any, ...] | None) -> LockInfo | None:
                     dirty_reported=row[11])
 
 
+def _parcel(row: tuple[Any, ...], lock: LockInfo | None) -> ParcelInfo:
+    """A row of _PARCEL_COLUMNS and the parcel's lock."""
+    return ParcelInfo(id=row[0], owner_id=row[1], owner=row[2], name=row[3], created=row[4], current_version=row[5],
+                      lock=lock)
+
+
 def _version(row: tuple[Any, ...]) -> VersionInfo:
     return VersionInfo(parcel=row[0], version=row[1], parent=row[2], created=row[3], user=row[4] or "?",
                        host=row[5], site=row[6], blobs=json.loads(row[7]), chunk_count=row[8],
@@ -208,7 +214,7 @@ class SqlMeta(MetaStore):
             if row is None:
                 raise NotFound(f"no parcel {parcel}")
             lock = self._get_lock(cur, parcel)
-        return ParcelInfo(*row, lock=lock)
+        return _parcel(row, lock)
 
     def find_parcel(self, owner: str, name: str) -> ParcelInfo:
         with self._tx() as cur:
@@ -225,7 +231,7 @@ class SqlMeta(MetaStore):
                            f"{where} ORDER BY o.name, p.name", params)
             locks = {lock.parcel: lock for lock in map(_lock, cur.all(
                 f"SELECT {_LOCK_COLUMNS} FROM locks l JOIN users u ON u.id = l.user_id")) if lock}
-        return [ParcelInfo(*r, lock=locks.get(r[0])) for r in rows]
+        return [_parcel(r, locks.get(r[0])) for r in rows]
 
     def remove_parcel(self, parcel: str, actor: str = "isr-admin") -> None:
         with self._tx(write=True) as cur:

@@ -348,8 +348,8 @@ def _capture_boot(artifacts: GuestArtifacts, dest: Path, *, idle: float, chunk_s
                 guest.console.check(f"sleep {idle:g}", timeout=idle + 60)
                 marks["stop"] = time.time()
                 guest.vm.stop()
-                for image in (vulpes.memory, vulpes.disk):
-                    fd = os.open(image, os.O_RDONLY)
+                for image_path in (vulpes.memory, vulpes.disk):
+                    fd = os.open(image_path, os.O_RDONLY)
                     try:
                         os.fsync(fd)
                     finally:

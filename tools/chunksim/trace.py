@@ -179,7 +179,7 @@ def _open_text(path: Path) -> IO[str]:
         if magic != _ZSTD_MAGIC:
             raw.close()
             raise TraceFormatError(path, "named .zst but is not zstd-compressed")
-        stream: IO[bytes] = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)  # type: ignore[assignment]
+        stream: IO[bytes] = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
         return io.TextIOWrapper(stream, encoding="utf-8", newline="")
     return io.TextIOWrapper(raw, encoding="utf-8", newline="")
 

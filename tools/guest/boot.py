@@ -29,8 +29,9 @@ KERNEL_CMDLINE = ("console=ttyS0 quiet loglevel=4 8250.nr_uarts=1 i8042.noaux i8
                   "i8042.nopnp mitigations=off tsc=reliable no_timer_check random.trust_cpu=on")
 
 
-def guest_config(artifacts: GuestArtifacts, disk: Path, **overrides: Any) -> VMConfig:
-    """The VM configuration that boots ``artifacts``' kernel and initramfs with ``disk`` as /dev/vda.
+def guest_config(artifacts: GuestArtifacts, disk: Path | None, **overrides: Any) -> VMConfig:
+    """The VM configuration that boots ``artifacts``' kernel and initramfs with ``disk`` as /dev/vda (None: no
+    disk here, the caller adds its own drive through ``extra_args``).
 
     ``overrides`` replace any `VMConfig` field (``memory_file``, ``disk_cache``, ``accel``, ...).
     """
@@ -55,7 +56,7 @@ class BootedGuest:
 
 
 @contextlib.contextmanager
-def booted_guest(artifacts: GuestArtifacts, disk: Path, *, run_dir: Path | None = None, name: str = "guest",
+def booted_guest(artifacts: GuestArtifacts, disk: Path | None, *, run_dir: Path | None = None, name: str = "guest",
                  ready_timeout: float = 90.0, **overrides: Any) -> Iterator[BootedGuest]:
     """Boot the guest from ``disk``, wait until it is ready, and shut QEMU down (quit, then kill) on exit.
 
