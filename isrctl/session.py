@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -39,6 +40,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,6 +139,9 @@ class Session:
         self.trace_path: Path | None = None
         #: The guest continued from a saved state (not a cold boot): its trace can make the next resume pack.
         self.resumed = False
+        #: Set once the resume pack's parts are all with vulpes (at once if there are none to stream).
+        self._pack_loaded = threading.Event()
+        self._pack_loaded.set()
         self.vnc_text = "none"
         self._vnc: str | None = None
         self.host: compat.HostQemu | None = None
@@ -364,16 +369,28 @@ class Session:
         assert self.vulpes is not None
         if self.options.disconnected:
             return
-        if self.policy.hoard_working_set_lazily:
+        start: Callable[[], Any] | None = None
+        if self.policy.hoard_working_set_lazily or self.policy.stream_when_idle:
             ws = self._working_set(manifest, change)
-            self.vulpes.hoard(disk=ws["disk"], memory=ws["memory"])
+        if self.policy.hoard_working_set_lazily:
+            start = functools.partial(self.vulpes.hoard, disk=ws["disk"], memory=ws["memory"])
             self.reporter.say(f"  hoarding the working set in the background ({len(ws['disk'])} disk and "
                               f"{len(ws['memory'])} memory chunks)")
         elif self.policy.stream_when_idle:
-            ws = self._working_set(manifest, change)
-            self.vulpes.hoard(disk=ws["disk"], memory=ws["memory"], then_all=("disk",), idle=True)
+            start = functools.partial(self.vulpes.hoard, disk=ws["disk"], memory=ws["memory"], then_all=("disk",),
+                                      idle=True)
             self.reporter.say(f"  while the guest does not wait: the working set ({len(ws['disk'])} disk and "
                               f"{len(ws['memory'])} memory chunks), then the rest of the disk")
+        if start is not None and not self._pack_loaded.is_set():
+            # The rest of the resume pack is what the guest will touch next: it has the link first.
+            def after_pack(start: Callable[[], Any] = start) -> None:
+                self._pack_loaded.wait()
+                with contextlib.suppress(IsrError):
+                    start()
+
+            threading.Thread(target=after_pack, name="hoard-after-pack", daemon=True).start()
+        elif start is not None:
+            start()
         if self.policy.writeback or self.options.writeback:
             self.vulpes.writeback(True, self.options.writeback_rate)
             rate = self.options.writeback_rate
@@ -752,10 +769,14 @@ class Session:
                           + (f", {len(names) - 1} more parts to follow" if len(names) > 1 else ""))
         if len(names) > 1:
             client, vulpes = self.client, self.vulpes
+            self._pack_loaded.clear()
 
             def rest() -> None:
-                with client.new_remote() as remote:
-                    pack.load(remote, self.state, manifest, self.keys, vulpes, names[1:])
+                try:
+                    with client.new_remote() as remote:
+                        pack.load(remote, self.state, manifest, self.keys, vulpes, names[1:])
+                finally:
+                    self._pack_loaded.set()
 
             threading.Thread(target=rest, name="resume-pack", daemon=True).start()
 
