@@ -152,7 +152,7 @@ class Parcel:
     keyfile: Path
 
 
-def start_isr_env(request: pytest.FixtureRequest, root: Path, guest: GuestArtifacts, *,
+def start_isr_env(request: pytest.FixtureRequest | None, root: Path, guest: GuestArtifacts, *,
                   port: int | None = None, **overrides: Any) -> IsrEnv:
     """A real isr-server (sqlite + directory store) listening on all addresses, so that network
     namespaces reach it through their veth links."""

@@ -289,8 +289,9 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
             proc.wait(timeout=10)
 
 
-def backend_settings(kind: str, root: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
-    """The config settings for one backend set, starting the database and S3 server it needs."""
+def backend_settings(kind: str, root: Path, request: pytest.FixtureRequest | None) -> dict[str, Any]:
+    """The config settings for one backend set, starting the database and S3 server it needs (through pytest's
+    fixtures: outside pytest, as in bench/, request is None and only sqlite-directory can be had)."""
     settings: dict[str, Any] = {
         "server.listen": "127.0.0.1:0",
         "server.workers": 2,
@@ -301,6 +302,8 @@ def backend_settings(kind: str, root: Path, request: pytest.FixtureRequest) -> d
         "server.audit_log": str(root / "audit.log"),
     }
     if kind == "postgres-s3":
+        if request is None:
+            raise ValueError("the postgres-s3 backends come from pytest fixtures: pass the test's request")
         dsn: str = request.getfixturevalue("postgres_dsn")
         s3: S3Server = request.getfixturevalue("s3_server")
         bucket = s3.make_bucket(f"isr-{uuid.uuid4().hex[:12]}")
@@ -318,7 +321,7 @@ def backend_settings(kind: str, root: Path, request: pytest.FixtureRequest) -> d
     return settings
 
 
-def start_env(kind: str, root: Path, request: pytest.FixtureRequest, **overrides: Any) -> ServerEnv:
+def start_env(kind: str, root: Path, request: pytest.FixtureRequest | None, **overrides: Any) -> ServerEnv:
     """Configure and start a server for a backend set, with users alice, bob and root (an admin)."""
     root.mkdir(parents=True, exist_ok=True)
     settings = backend_settings(kind, root, request)
