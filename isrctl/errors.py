@@ -90,6 +90,11 @@ class VulpesFailure(IsrError):
     """vulpes did not start, did not answer on its control socket, refused a request or exited badly."""
 
 
+class CacheFull(VulpesFailure):
+    """The chunk cache has no room left that may be made (everything else is pinned or was just hoarded): a
+    hoard stopped early, or a write was refused. The message says what is there and what to do."""
+
+
 class HoardStopped(IsrError):
     """A hoard was asked to stop (`isr schedule run` got SIGTERM); what it fetched so far is kept."""
 

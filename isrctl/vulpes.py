@@ -33,7 +33,7 @@ from parcels.store import chunk_object_name
 
 from . import keys as keymod
 from . import paths
-from .errors import HoardStopped, VulpesFailure
+from .errors import CacheFull, HoardStopped, VulpesFailure
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,17 @@ STOP_TIMEOUT = 60.0
 _LOG_TAIL = 3000
 #: How often `Vulpes.hoard_and_wait` looks at the hoard's progress.
 _HOARD_POLL = 0.2
+
+
+def parse_size(text: str) -> int:
+    """A size as vulpes's ``--cache-limit`` takes it, in bytes: "512" (MiB), "64K", "512M", "20G", "1T".
+    Raises VulpesFailure for anything else."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    shift = {"K": 10, "M": 20, "G": 30, "T": 40}.get(value[-1:], 0)
+    number = value[:-1] if shift else value
+    if not number.isdigit():
+        raise VulpesFailure(f"not a size: {text!r} (examples: 512M, 20G; MiB without a suffix)")
+    return int(number) << (shift or 20)
 
 
 def binary(name: str = "vulpes") -> Path:
@@ -230,6 +241,16 @@ class Vulpes:
         """Make every write vulpes has acknowledged durable (chunk objects and keyring records)."""
         self.control({"op": "flush"}, timeout=600)
 
+    def reclaim(self) -> dict[str, Any]:
+        """Give back room held for nothing (flush dirty chunks, drop stale pins); returns the status. A flush
+        that finds no room is not an error here: the status says it (``flush_error``)."""
+        status: dict[str, Any] = self.control({"op": "reclaim"}, timeout=600)["status"]
+        return status
+
+    def set_cache_limit(self, limit: str) -> None:
+        """Apply a cache limit (``--cache-limit`` syntax; "" or "0": none) to the running daemon."""
+        self.control({"op": "cache-limit", "limit": parse_size(limit) if limit else 0})
+
     def upload(self) -> int:
         """Flush, then upload every chunk object the server may lack; returns how many were sent."""
         return int(self.control({"op": "upload"}, timeout=3600).get("uploaded", 0))
@@ -251,7 +272,8 @@ class Vulpes:
     def hoard_and_wait(self, reporter: Reporter, label: str, *, disk: Sequence[int] | None = None,
                        memory: Sequence[int] | None = None, everything: bool = False) -> dict[str, Any]:
         """Hoard (as `hoard`) and show its progress in ``reporter`` until it ends; returns the final hoard
-        status. Raises VulpesFailure if vulpes exits meanwhile or a chunk could not be hoarded."""
+        status. Raises CacheFull if the cache had no room for all of it (saying exactly how much is there),
+        VulpesFailure if vulpes exits meanwhile or a chunk could not be hoarded."""
         hoard = self.hoard(disk=disk, memory=memory, everything=everything).get("hoard", {})
         bar = reporter.progress(label, int(hoard.get("bytes_total", 0)))
         try:
@@ -266,6 +288,12 @@ class Vulpes:
         finally:
             bar.close(f"{hoard.get('chunks_done', 0)} of {hoard.get('chunks_total', 0)} chunks, "
                       f"{human_bytes(hoard.get('bytes_fetched', 0))} fetched")
+        if hoard.get("cache_full"):
+            cache = self.status().get("cache", {})
+            raise CacheFull(f"the chunk cache {cache.get('dir', '')} is full: {hoard.get('chunks_done', 0)} of "
+                            f"{hoard.get('chunks_total', 0)} chunks ({human_bytes(hoard.get('bytes_done', 0))} of "
+                            f"{human_bytes(hoard.get('bytes_total', 0))}) are in it; "
+                            f"{CacheUsage.from_status(cache).what_to_do()}")
         if int(hoard.get("chunks_failed", 0)):
             raise VulpesFailure(f"{hoard['chunks_failed']} chunks could not be hoarded (see {self.log_path})")
         return hoard
@@ -336,10 +364,12 @@ class FetchResult:
 
     tags: int        # tags it was given
     cached: int      # of those, already in the cache
-    fetched: int     # fetched, verified and stored
-    failed: int      # not on the server, or every copy failed verification
+    fetched: int     # fetched and verified
+    failed: int      # not on the server, or every copy failed verification, or not stored
     bytes: int       # object bytes fetched
     seconds: float   # from the first request to the last answer
+    stored: int = 0  # fetched and stored in the cache
+    cache_full: bool = False  # it ended early: the cache had no room for the rest
 
 
 #: vulpes-fetch's exit status when the server stayed unreachable for longer than --patience.
@@ -364,6 +394,7 @@ class ChunkFetch:
             self.args.append(f"--pin={pin}")
         if cache_limit:
             self.args.append(f"--cache-limit={cache_limit}")
+        self.cache_limit = cache_limit
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.RLock()  # stop() may come from a signal handler
         self._stopped = False
@@ -371,8 +402,9 @@ class ChunkFetch:
     def run(self, tags: Iterable[str], progress: Callable[[dict[str, Any]], None] | None = None) -> FetchResult:
         """Fetch the objects of ``tags`` that the cache lacks; ``progress`` gets each progress line.
 
-        Raises VulpesFailure if some object could not be had or the server stayed unreachable, HoardStopped
-        if `stop` was called.
+        Raises CacheFull if the cache had no room for all of them (saying how many are there now),
+        VulpesFailure if some object could not be had or the server stayed unreachable, HoardStopped if
+        `stop` was called.
         """
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -414,7 +446,8 @@ class ChunkFetch:
                 proc.wait()
         result = FetchResult(tags=int(start.get("tags", 0)), cached=int(start.get("cached", 0)),
                              fetched=int(last.get("fetched", 0)), failed=int(last.get("failed", 0)),
-                             bytes=int(last.get("bytes", 0)), seconds=float(last.get("seconds", 0.0)))
+                             bytes=int(last.get("bytes", 0)), seconds=float(last.get("seconds", 0.0)),
+                             stored=int(last.get("stored", 0)), cache_full=bool(last.get("cache_full")))
         if self._stopped or last.get("event") == "stopped":
             raise HoardStopped(f"the hoard was stopped after {result.fetched} chunks")
         if code == FETCH_UNREACHABLE:
@@ -422,6 +455,11 @@ class ChunkFetch:
                                 f"chunks were fetched (see {self.log_path})")
         if code != 0 and not start:
             raise VulpesFailure(f"vulpes-fetch exited with code {code} before fetching:\n{self.output()}")
+        if result.cache_full:
+            here = result.cached + result.stored
+            raise CacheFull(f"the chunk cache {self.cache_dir} is full: {here} of {result.tags} chunks are in it "
+                            f"({result.stored} stored now, {result.cached} were there); "
+                            f"{cache_usage(self.cache_dir, limit=self.cache_limit).what_to_do()}")
         if code != 0:
             raise VulpesFailure(f"{result.failed} chunks could not be fetched (exit code {code}; see {self.log_path})")
         return result
@@ -446,26 +484,92 @@ def cache_object_path(cache_dir: Path, tag: bytes | str) -> Path:
 
 @dataclass(frozen=True)
 class CacheUsage:
-    """What a chunk cache holds, by its own index (``vulpes-fetch --usage``)."""
+    """What a chunk cache holds and the room it has, by its own index and its file system (``vulpes-fetch
+    --usage``, or a running vulpes's status)."""
 
+    dir: str = ""
     objects: int = 0
     bytes: int = 0
-    #: Objects that must not be evicted (not yet uploaded, or pinned for disconnected use).
+    #: Objects that must not be evicted (not yet uploaded, or pinned for disconnected use), and their bytes.
     pinned: int = 0
+    pinned_bytes: int = 0
+    #: Bytes one parcel has not uploaded yet (asked with its state directory as the owner).
+    own_pinned_bytes: int = 0
     #: Objects evicted so far by every process sharing the cache.
     evictions_total: int = 0
+    #: The limit the room was computed under (0: none), and the file system's free space and size.
+    limit: int = 0
+    fs_free: int = 0
+    fs_size: int = 0
+    #: Bytes of new objects the cache can take after dropping every clean object (under the limit).
+    room: int = 0
+
+    @property
+    def clean_bytes(self) -> int:
+        """Bytes of objects the cache may drop to make room: the server has them."""
+        return max(0, self.bytes - self.pinned_bytes)
+
+    @property
+    def limit_bound(self) -> bool:
+        """Whether the limit, not the file system, is what leaves no more room."""
+        return bool(self.limit) and self.limit - self.pinned_bytes <= self.fs_free + self.clean_bytes
+
+    @classmethod
+    def from_status(cls, cache: dict[str, Any]) -> CacheUsage:
+        """From the ``cache`` part of a running vulpes's status."""
+        return cls(dir=str(cache.get("dir", "")), **{f: int(cache.get(f, 0)) for f in _USAGE_FIELDS})
+
+    def describe(self) -> str:
+        """The room in a few words: free space, what may be dropped, what must stay."""
+        limit = f", limit {human_bytes(self.limit)}" if self.limit else ""
+        return (f"{human_bytes(self.fs_free)} free on its file system{limit}, {human_bytes(self.clean_bytes)} "
+                f"clean that can be dropped, {human_bytes(self.pinned_bytes)} not yet uploaded or pinned")
+
+    def what_to_do(self) -> str:
+        """How to make room, in the words of the `isr` commands."""
+        if self.limit_bound:
+            return f"raise its limit ({human_bytes(self.limit)}, `isr login --cache-limit`) or free space in it"
+        return f"free space under {self.dir}" if self.dir else "free space under the cache"
 
 
-def cache_usage(cache_dir: Path) -> CacheUsage:
-    """Ask vulpes what the cache at ``cache_dir`` holds (nothing if there is no cache there yet)."""
+_USAGE_FIELDS = ("objects", "bytes", "pinned", "pinned_bytes", "own_pinned_bytes", "evictions_total", "limit",
+                 "fs_free", "fs_size", "room")
+
+
+def cache_usage(cache_dir: Path, *, owner: Path | None = None, limit: str = "") -> CacheUsage:
+    """Ask vulpes what the cache at ``cache_dir`` holds and how much room it has under ``limit`` (a
+    `--cache-limit` value; "": none); with ``owner`` (a parcel's state directory), how much of it that parcel
+    has not uploaded yet. A cache that does not exist yet holds nothing (its room is its file system's)."""
     if not cache_dir.is_dir():
-        return CacheUsage()
-    proc = subprocess.run([str(binary("vulpes-fetch")), f"--cache={cache_dir}", "--usage"], capture_output=True,
-                          text=True, timeout=120)
+        probe = next((p for p in (cache_dir, *cache_dir.parents) if p.is_dir()), None)
+        if probe is None:
+            return CacheUsage(dir=str(cache_dir))
+        st = os.statvfs(probe)
+        free = st.f_bavail * st.f_frsize
+        bound = parse_size(limit) if limit else 0
+        return CacheUsage(dir=str(cache_dir), limit=bound, fs_free=free, fs_size=st.f_blocks * st.f_frsize,
+                          room=min(free, bound) if bound else free)
+    args = [str(binary("vulpes-fetch")), f"--cache={cache_dir}", "--usage"]
+    if owner is not None:
+        args.append(f"--owner={owner}")
+    if limit:
+        args.append(f"--cache-limit={limit}")
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
     try:
         answer = json.loads(proc.stdout)
     except ValueError:
         answer = None
     if proc.returncode != 0 or not isinstance(answer, dict):
         raise VulpesFailure(f"cannot read the chunk cache {cache_dir}: {proc.stderr.strip() or proc.returncode}")
-    return CacheUsage(**{f: int(answer.get(f, 0)) for f in ("objects", "bytes", "pinned", "evictions_total")})
+    return CacheUsage(dir=str(cache_dir), **{f: int(answer.get(f, 0)) for f in _USAGE_FIELDS})
+
+
+def release_pins(cache_dir: Path, state_dir: Path) -> None:
+    """After a checkin the server has every object of the parcel: let the cache evict them (drop the pins
+    its vulpes left in the shared index). Raises VulpesFailure if the index cannot be updated."""
+    if not cache_dir.is_dir():
+        return
+    proc = subprocess.run([str(binary("vulpes-fetch")), f"--cache={cache_dir}", f"--unpin={state_dir}"],
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise VulpesFailure(f"cannot update the chunk cache {cache_dir}: {proc.stderr.strip() or proc.returncode}")

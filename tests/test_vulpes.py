@@ -7,6 +7,7 @@ clean exit and fails the test on unexpected daemon output.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import mmap
@@ -22,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_until
-from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
+from tests.guest_fixtures import ACKED_VERIFY, guest_artifacts, start_acked_writer  # noqa: F401  (fixture)
 from tests.server_fixtures import S3Server, s3_server, start_env  # noqa: F401  (s3_server: pytest fixture)
 from tests.vulpes_fixtures import (CHUNK_SIZE, FaultServer, IsrServer, Vulpes, chunk_path, drop_caches,
-                                   isr_server, make_state, random_image, read_all, spki_pin,  # noqa: F401
-                                   vulpes_binary)
+                                   isr_server, make_state, random_image, read_all, small_tmpfs,  # noqa: F401
+                                   spki_pin, vulpes_binary)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -428,7 +429,8 @@ def test_cache_limit_evicts_and_refetches(vulpes_binary: Path, isr_server: IsrSe
 
 def test_cache_limit_never_evicts_pending_uploads(vulpes_binary: Path, isr_server: IsrServer,
                                                   tmp_path: Path) -> None:
-    """Flushed writes that the server does not have are pinned: eviction pressure and kill -9 leave them."""
+    """Flushed writes that the server does not have are pinned: eviction pressure and kill -9 leave them. A
+    write the limit cannot take fails with ENOSPC (nothing is left to evict) and changes nothing."""
     content = random_image(8 * MIB, seed=43, data_fraction=1.0)
     state = make_state(tmp_path / "state", content, 1 * MIB)
     state.publish(isr_server.store)
@@ -437,11 +439,11 @@ def test_cache_limit_never_evicts_pending_uploads(vulpes_binary: Path, isr_serve
     model[:len(written)] = written
     cache = tmp_path / "cache"
     v = server_vulpes(vulpes_binary, tmp_path, state, isr_server,
-                      extra=["--cache-limit=1M", "--flush-interval=3600000", "--ram-cache=2"])
+                      extra=["--cache-limit=4M", "--flush-interval=3600000", "--ram-cache=2"])
     v.start()
     try:
         with open(v.path("disk"), "r+b", buffering=0) as f:
-            f.write(written)
+            assert f.write(written) == len(written)
             os.fsync(f.fileno())
         tags = pending_tags(state.state_dir)
         assert len(tags) == len(written) // CHUNK_SIZE
@@ -450,20 +452,37 @@ def test_cache_limit_never_evicts_pending_uploads(vulpes_binary: Path, isr_serve
         assert read_all(v.path("disk"))[len(written):] == model[len(written):]
         status = wait_until(lambda: (s := v.status())["cache"]["evictions"] > 0 and s, 30, "eviction")
         assert status["cache"]["pinned"] == len(tags)
-        assert status["cache"]["bytes"] > 1 * MIB, "the pinned objects alone are over the limit"
         assert all(chunk_path(cache, tag).exists() for tag in tags)
+        # What the limit cannot take after every clean object is gone: refused, and the image unchanged.
+        more = random.Random(8).randbytes(2 * MIB)
+        with open(v.path("disk"), "r+b", buffering=0) as f:
+            f.seek(len(written))
+            with pytest.raises(OSError) as refused:
+                f.seek(len(written) + f.write(more))
+                f.write(more[f.tell() - len(written):])
+            assert refused.value.errno == errno.ENOSPC
+            taken = f.tell() - len(written)
+            os.fsync(f.fileno())
+        assert 0 < taken < len(more)
+        model[len(written):len(written) + taken] = more[:taken]
+        status = v.status()
+        assert status["cache"]["refused"] > 0 and status["cache"]["room"] < CHUNK_SIZE
+        assert status["cache"]["bytes"] <= 4 * MIB, (status["cache"], status["images"])
+        drop_caches(v.path("disk"))
+        assert read_all(v.path("disk")) == model
     finally:
         v.kill()
     assert all(chunk_path(cache, tag).exists() for tag in tags)
+    tags = pending_tags(state.state_dir)
     # Restarted offline: the written chunks are local, re-pinned from the keyring, and read back right.
-    with server_vulpes(vulpes_binary, tmp_path, state, isr_server, extra=["--cache-limit=1M", "--offline"]) as v:
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server, extra=["--cache-limit=4M", "--offline"]) as v:
         with open(v.path("disk"), "rb") as f:
-            assert f.read(len(written)) == written
+            assert f.read(len(written) + taken) == bytes(model[:len(written) + taken])
         assert v.status()["cache"]["pinned"] == len(tags)
         v.control({"op": "online"})
         assert v.control({"op": "upload"})["ok"]
         # Uploaded: no longer pinned, so the limit applies to them too.
-        status = wait_until(lambda: (s := v.status())["cache"]["pinned"] == 0 and s["cache"]["bytes"] <= 1 * MIB
+        status = wait_until(lambda: (s := v.status())["cache"]["pinned"] == 0 and s["cache"]["bytes"] <= 4 * MIB
                           and s, 30, "unpinned objects evicted")
         assert status["images"]["disk"]["pending_uploads"] == 0
 
@@ -476,7 +495,7 @@ def test_two_vulpes_share_one_limited_cache(vulpes_binary: Path, isr_server: Isr
     state_b = make_state(tmp_path / "state-b", content_b, 1 * MIB, seed=3)
     state_a.publish(isr_server.store)
     state_b.publish(isr_server.store)
-    written = random.Random(9).randbytes(2 * MIB)
+    written = random.Random(9).randbytes(1 * MIB)
     cache = tmp_path / "cache"
     with server_vulpes(vulpes_binary, tmp_path, state_a, isr_server, name="mnt-a",
                        extra=["--flush-interval=3600000"]) as a, \
@@ -488,14 +507,70 @@ def test_two_vulpes_share_one_limited_cache(vulpes_binary: Path, isr_server: Isr
         tags = pending_tags(state_a.state_dir)
         assert tags and b.status()["cache"]["pinned"] == len(tags)
         assert read_all(b.path("disk")) == content_b
-        # b's limit applies to the whole cache; a's pinned objects may keep it above the limit.
+        # b's limit applies to the whole cache, a's pinned objects included: b makes room among the rest.
         status = wait_until(lambda: (s := b.status())["cache"]["evictions"] > 0
-                          and s["cache"]["bytes"] <= 2 * MIB + 2 * len(written) and s, 30, "eviction by b")
+                          and s["cache"]["bytes"] <= 2 * MIB and s, 30, "eviction by b")
         assert all(chunk_path(cache, tag).exists() for tag in tags)
         drop_caches(a.path("disk"))
         assert read_all(a.path("disk")) == written + content_a[len(written):]
         assert status["cache"]["evictions_total"] >= status["cache"]["evictions"] > 0
     assert all(chunk_path(cache, tag).exists() for tag in tags)
+
+
+def test_full_file_system_makes_room_then_says_enospc(vulpes_binary: Path, isr_server: IsrServer,
+                                                     tmp_path: Path) -> None:
+    """The cache on a small file system (tmpfs): writes that need more than its free space evict clean objects
+    (the server has them) instead of failing; once only what is not uploaded is left, a write fails with
+    ENOSPC, not EIO, and changes nothing; every acknowledged (fsynced) write reads back; a hoard then says
+    exactly what is in the cache; uploading what is dirty makes room, and writes go on."""
+    content = random.Random(47).randbytes(24 * MIB)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    state.publish(isr_server.store)
+    model = bytearray(content)
+    written = random.Random(48).randbytes(16 * MIB)
+    with small_tmpfs(tmp_path / "fs", 12) as fs:
+        with Vulpes(vulpes_binary, tmp_path / "mnt", state, fs / "cache", server=isr_server.url,
+                    token_file=isr_server.token_file, ca=isr_server.ca,
+                    expected_output=[r"failed to hoard everything: the cache has no room left; .*"]) as v:
+            assert read_all(v.path("disk"))[:8 * MIB] == content[:8 * MIB]
+            status = v.status()["cache"]
+            free_at_start = status["fs_free"]
+            assert status["bytes"] >= 7 * MIB and free_at_start < 5 * MIB and status["pinned"] == 0
+            acked = 0
+            with open(v.path("disk"), "r+b", buffering=0) as f:
+                f.seek(8 * MIB)
+                with pytest.raises(OSError) as refused:
+                    while acked < len(written):
+                        block = written[acked:acked + MIB]
+                        done = f.write(block)
+                        os.fsync(f.fileno())
+                        model[8 * MIB + acked:8 * MIB + acked + done] = block[:done]
+                        acked += done
+                assert refused.value.errno == errno.ENOSPC, refused.value
+            # More than the free space went in: clean objects made room, and only then were writes refused.
+            assert acked > free_at_start + 4 * MIB, (acked, free_at_start)
+            status = v.status()
+            assert status["cache"]["evictions"] > 0 and status["cache"]["refused"] > 0
+            assert status["cache"]["room"] < CHUNK_SIZE and status["images"]["disk"]["flush_error"] == 0
+            assert status["cache"]["own_pinned_bytes"] >= acked
+            drop_caches(v.path("disk"))
+            assert read_all(v.path("disk")) == model
+            # A hoard on the full cache stores nothing new, ends early, and counts what is really there.
+            hoard = v.control({"op": "hoard", "wait": True}, timeout=120)["status"]["hoard"]
+            assert hoard["state"] == "done" and hoard["cache_full"] and not hoard["complete"]
+            records = sqlite3.connect(state.state_dir / "keyring.disk").execute("SELECT tag FROM chunks").fetchall()
+            here = sum(1 for (tag,) in records if chunk_path(fs / "cache", tag).exists())
+            assert hoard["chunks_done"] == here < hoard["chunks_total"] == len(records)
+            # What is dirty goes to the server: the cache may drop it, and writes go on.
+            assert v.control({"op": "upload"}, timeout=120)["ok"]
+            with open(v.path("disk"), "r+b", buffering=0) as f:
+                f.seek(8 * MIB + acked)
+                block = written[acked:acked + MIB]
+                assert f.write(block) == len(block)
+                os.fsync(f.fileno())
+            model[8 * MIB + acked:8 * MIB + acked + len(block)] = block
+            drop_caches(v.path("disk"))
+            assert read_all(v.path("disk")) == model
 
 
 # --- control socket: hoard, offline, traces, writeback ---------------------------------------------------
@@ -788,3 +863,32 @@ def test_guest_boots_from_vulpes(vulpes_binary: Path, isr_server: IsrServer, gue
         assert status["images"]["memory"]["changed_chunks"] > 0      # guest RAM was written back
         result = subprocess.run(["e2fsck", "-fn", str(v.path("disk"))], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_qemu_pauses_on_a_full_cache_and_retries_on_cont(vulpes_binary: Path, isr_server: IsrServer,
+                                                        guest_artifacts, tmp_path: Path) -> None:
+    """QEMU on vulpes (werror=enospc): a disk write the cache has no room for pauses the VM (run state
+    io-error) instead of failing in the guest; with room again (here: the limit lifted) `cont` retries it and
+    the guest never sees an error; every acknowledged block reads back."""
+    from tools.guest import booted_guest
+
+    state = make_state(tmp_path / "state", Path(guest_artifacts.disk), 128 * MIB)
+    state.publish(isr_server.store)
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        with booted_guest(guest_artifacts, v.path("disk"), run_dir=tmp_path, ready_timeout=120, memory_mib=128,
+                          memory_file=v.path("memory")) as guest:
+            status = v.control({"op": "reclaim"})["status"]["cache"]
+            # Room for about 2 MiB more than is there: the writer wants 16 MiB.
+            v.control({"op": "cache-limit", "limit": status["bytes"] + status["reserved"] + 2 * MIB})
+            start_acked_writer(guest.console, 64)
+            wait_until(lambda: guest.vm.query_status() == "io-error", 120, "QEMU to pause on ENOSPC")
+            assert v.status()["cache"]["refused"] > 0
+            v.control({"op": "cache-limit", "limit": 0})
+            guest.vm.cont()
+            wait_until(lambda: guest.console.check("tail -n 1 /run/ack.log", timeout=30).strip() == "DONE", 180,
+                       "the writer")
+            log = guest.console.check("cat /run/ack.log", timeout=30)
+            assert "FAIL" not in log
+            assert "VERIFY n=64 bad=0" in guest.console.check(ACKED_VERIFY, timeout=120)
+            guest.console.request_poweroff()
+            assert guest.vm.wait(60) == 0

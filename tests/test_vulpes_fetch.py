@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from isrctl.vulpes import CacheUsage, cache_usage
+from isrctl.vulpes import cache_usage
 from tests.vulpes_fixtures import FaultServer, chunk_path, make_state, random_image, vulpes_binary  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
@@ -71,10 +71,50 @@ def test_fetches_verified_objects_and_reports_what_is_missing(vulpes_binary: Pat
                                 "--usage"], capture_output=True, text=True, timeout=30)
         assert usage.returncode == 0, usage.stderr
         stored = sum(len(state.objects[t]) for t in tags if t != absent)
-        assert json.loads(usage.stdout) == {"event": "usage", "objects": len(tags) - 1, "bytes": stored,
-                                            "pinned": 0, "evictions_total": 0}
-        assert cache_usage(tmp_path / "cache") == CacheUsage(objects=len(tags) - 1, bytes=stored)
-        assert cache_usage(tmp_path / "no-cache-here") == CacheUsage()
+        answer = json.loads(usage.stdout)
+        assert {k: answer[k] for k in ("event", "objects", "bytes", "pinned", "pinned_bytes", "evictions_total",
+                                       "limit")} == {"event": "usage", "objects": len(tags) - 1, "bytes": stored,
+                                                     "pinned": 0, "pinned_bytes": 0, "evictions_total": 0,
+                                                     "limit": 0}
+        assert 0 < answer["fs_free"] < answer["fs_size"] and answer["room"] >= answer["fs_free"]
+        usage = cache_usage(tmp_path / "cache")
+        assert (usage.objects, usage.bytes, usage.clean_bytes) == (len(tags) - 1, stored, stored)
+        empty = cache_usage(tmp_path / "no-cache-here")
+        assert (empty.objects, empty.bytes) == (0, 0) and empty.room == empty.fs_free > 0
+    finally:
+        server.stop()
+
+
+def test_a_full_cache_ends_the_hoard_and_says_exactly_what_is_there(vulpes_binary: Path, tmp_path: Path) -> None:
+    """Under a limit that cannot take every object: older objects are evicted to make room, never what this
+    run stored or found in the cache; then no more requests go out, the last line says cache_full and how
+    many objects were stored, and the exit status is 1."""
+    older = make_state(tmp_path / "older", random_image(1 * MIB, seed=84, data_fraction=1.0), 1 * MIB, seed=5)
+    state = make_state(tmp_path / "state", random_image(4 * MIB, seed=85, data_fraction=1.0), 1 * MIB)
+    store = tmp_path / "store"
+    older.publish(store)
+    state.publish(store)
+    tags = list(state.objects)
+    server = FaultServer(store, tmp_path).start()
+    try:
+        code, _, stderr = fetch(vulpes_binary, server, tmp_path, list(older.objects) + tags[:4])
+        assert code == 0, stderr
+        asked = sum(server.requests.values())
+        code, lines, stderr = fetch(vulpes_binary, server, tmp_path, tags, "--cache-limit=1M", "--window=4")
+        assert code == 1, (stderr, lines[0], lines[-1])
+        start, *_, done = lines
+        assert start["cached"] == 4 and done["event"] == "done" and done["cache_full"] is True
+        cache = tmp_path / "cache"
+        here = [t for t in tags if chunk_path(cache, t).exists()]
+        assert tags[:4] == here[:4], "the objects the run found were evicted for it"
+        assert len(here) == start["cached"] + done["stored"] and len(here) < len(tags)
+        assert not any(chunk_path(cache, t).exists() for t in older.objects), "older objects make room first"
+        # Requests stop once the cache is full: at most a window's worth more than were stored.
+        assert sum(server.requests.values()) - asked <= done["stored"] + 4 + 1
+        assert "the cache" in stderr and "has no room left" in stderr
+        usage = cache_usage(cache, limit="1M")
+        # Every object is clean (the server has it): the room is the whole limit, for a writer that may evict.
+        assert usage.bytes <= 1 * MIB and usage.room == 1 * MIB and usage.limit_bound
     finally:
         server.stop()
 

@@ -506,3 +506,16 @@ def drop_caches(path: Path) -> None:
 
 def copy_tree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, dirs_exist_ok=True)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, mib: int) -> Iterator[Path]:
+    """A tmpfs of ``mib`` MiB mounted on ``path`` (a cache on a small file system), unmounted in finally;
+    stop whatever uses it before leaving the block."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0755", "tmpfs", str(path)], check=True,
+                   capture_output=True, timeout=30)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)

@@ -11,7 +11,14 @@
  *
  * Size limit (cache_set_limit()): an evictor thread removes least recently used objects until the
  * cache is below 90 % of the limit.  Last use is recorded in the index in batches (a read only notes the
- * tag in memory), so reads never write sqlite.  Objects named in the pins table are never evicted: each
+ * tag in memory), so reads never write sqlite.
+ *
+ * Room: every new object must fit under the limit and on the file system, whichever is tighter, with
+ * the reservations (room held for dirty chunks, whose flush must not fail) and a small floor kept free.
+ * A writer that finds no room evicts least recently used unpinned objects itself, at once, and fails with
+ * -ENOSPC only when nothing that may be evicted is left (a hoard may evict only what was used before it
+ * started).  A write that the file system refuses with ENOSPC anyway (another process took the space)
+ * evicts and retries too.  Objects named in the pins table are never evicted: each
  * vulpes pins every object that is its only copy of acknowledged writes (pending uploads) before the object
  * becomes visible under its name (cache_batch_commit()), and unpins it once the server has it.  Eviction
  * selects, deletes rows and unlinks files inside one write transaction, and pinning is a write
@@ -33,6 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -47,8 +55,12 @@
 #define CACHE_OBJECT_MAX (CHUNK_SIZE_MAX + CHUNK_OVERHEAD)
 #define DIRECT_ALIGN 4096                /* buffer, offset and length alignment for O_DIRECT reads */
 
+#define ROOM_FLOOR_MIN ((uint64_t) 256 << 10) /* kept free on the file system (the index, its WAL, directories) */
+#define ROOM_FLOOR_MAX ((uint64_t) 1 << 20)
+
 enum {
         INDEX_BUSY_TIMEOUT_MS = 10000,
+        ROOM_RETRIES = 8,                /* evict-and-retry rounds for a write the file system refuses */
         TMP_MAX_AGE_SECONDS = 3600,      /* older temporary files are leftovers of a crashed writer */
         BATCH_SMALL = 16,                /* up to this many objects, sync file by file instead of syncfs() */
         USES_MAX = 512,                  /* last-use notes kept in memory before they are written */
@@ -68,8 +80,12 @@ struct Cache {
         uint8_t (*uses)[CACHE_TAG_LEN];  /* read since the last write of last-use times */
         size_t n_uses;
 
-        /* The evictor, under lock. */
+        /* Room and the evictor, under lock. */
         uint64_t limit;                  /* bytes, 0: none */
+        uint64_t bytes_est;              /* the index's total bytes: kept up to date here, re-read when it matters */
+        uint64_t reserved;               /* room held by cache_reserve() */
+        uint64_t pending;                /* objects being written: counted under the limit until indexed */
+        uint64_t refused;                /* writes and reservations refused for lack of room */
         uint64_t evictions;              /* by this process */
         uint64_t put_bytes;              /* since the evictor last looked */
         pthread_t evictor;
@@ -81,11 +97,13 @@ typedef struct BatchEntry {
         uint8_t tag[CACHE_TAG_LEN];
         char *tmp_path;
         size_t len;
+        bool indexed;
 } BatchEntry;
 
 struct CacheBatch {
         Cache *cache;
         bool pin;
+        int64_t keep_since;              /* evict only objects used before this for room (0: any) */
         BatchEntry *entries;
         size_t n, capacity;
 };
@@ -182,8 +200,11 @@ static int index_connect(Cache *c) {
         if (!ok)
                 goto damaged;
         /* The index is a summary of the files: losing its last writes in a crash costs nothing. */
-        if (sqlite3_exec(c->index, "PRAGMA journal_mode = WAL; PRAGMA synchronous = OFF;", NULL, NULL, NULL) !=
-            SQLITE_OK)
+        /* A small write-ahead log, checkpointed and cut back often: the index shares the cache's file system,
+         * whose room the cache fills. */
+        if (sqlite3_exec(c->index, "PRAGMA journal_mode = WAL; PRAGMA synchronous = OFF; "
+                                   "PRAGMA wal_autocheckpoint = 64; PRAGMA journal_size_limit = 262144;",
+                         NULL, NULL, NULL) != SQLITE_OK)
                 goto damaged;
         if (sqlite3_prepare_v2(c->index, "SELECT count(*) FROM sqlite_master WHERE name = 'objects'", -1, &stmt,
                                NULL) != SQLITE_OK || sqlite3_step(stmt) != SQLITE_ROW)
@@ -257,16 +278,27 @@ static void evictor_kick_locked(Cache *c) {
         pthread_cond_signal(&c->evict_cond);
 }
 
-static void index_insert(Cache *c, const uint8_t tag[CACHE_TAG_LEN], size_t len) {
+static int room_make_locked(Cache *c, uint64_t len, int64_t keep_since, bool physical);
+
+static void index_insert(Cache *c, const uint8_t tag[CACHE_TAG_LEN], size_t len, int64_t keep_since) {
+        int rc;
+
         pthread_mutex_lock(&c->lock);
         c->put_bytes += len;
+        c->bytes_est += len;
+        c->pending -= len < c->pending ? len : c->pending;
         if (c->limit > 0 && c->put_bytes > c->limit / 16)
                 evictor_kick_locked(c);
         sqlite3_bind_blob(c->insert_stmt, 1, tag, CACHE_TAG_LEN, SQLITE_STATIC);
         sqlite3_bind_int64(c->insert_stmt, 2, (int64_t) len);
         sqlite3_bind_int64(c->insert_stmt, 3, (int64_t) time(NULL));
         sqlite3_bind_int64(c->insert_stmt, 4, now_us());
-        if (sqlite3_step(c->insert_stmt) != SQLITE_DONE)
+        rc = sqlite3_step(c->insert_stmt);
+        sqlite3_reset(c->insert_stmt);
+        /* The index lives on the same file system: a full one gets room as an object would, once. */
+        if (rc == SQLITE_FULL && room_make_locked(c, 64 << 10, keep_since, true) >= 0)
+                rc = sqlite3_step(c->insert_stmt);
+        if (rc != SQLITE_DONE)
                 log_warning("failed to update cache index in %s: %s", c->dir, sqlite3_errmsg(c->index));
         sqlite3_reset(c->insert_stmt);
         pthread_mutex_unlock(&c->lock);
@@ -456,6 +488,22 @@ int cache_pins_replace(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n)
         return r;
 }
 
+int cache_pins_replace_owner(Cache *c, const char *owner, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n) {
+        char *copy = strdup(owner), *saved;
+        int r;
+
+        if (!copy)
+                return -ENOMEM;
+        pthread_mutex_lock(&c->lock);
+        saved = c->owner;
+        c->owner = copy;
+        r = pins_update_locked(c, true, "INSERT OR IGNORE INTO pins (tag, owner) VALUES (?1, ?2)", tags, n);
+        c->owner = saved;
+        pthread_mutex_unlock(&c->lock);
+        free(copy);
+        return r;
+}
+
 static int64_t index_query_int64(Cache *c, const char *sql) {
         sqlite3_stmt *stmt = NULL;
         int64_t v = -1;
@@ -467,28 +515,32 @@ static int64_t index_query_int64(Cache *c, const char *sql) {
 }
 
 /*
- * Removes up to EVICT_STEP least recently used unpinned objects while the cache is above low; lock held.
- * Selecting, unlinking and deleting the rows happen in one write transaction: a pin (also a write
- * transaction) lands either before it, and the object is not selected, or after, and its file is put
- * back by the rename that follows every pin.  Returns the objects evicted or a negative errno.
+ * Removes up to EVICT_STEP least recently used unpinned objects (last used before keep_since, unless it
+ * is 0) until want bytes are freed; lock held.  Selecting, unlinking and deleting the rows happen in one
+ * write transaction: a pin (also a write transaction) lands either before it, and the object is not
+ * selected, or after, and its file is put back by the rename that follows every pin.  Adds the bytes
+ * freed to *freed; returns the objects evicted or a negative errno.
  */
-static int evict_step_locked(Cache *c, uint64_t *total, uint64_t low) {
+static int evict_step_locked(Cache *c, uint64_t want, int64_t keep_since, uint64_t *freed) {
         sqlite3_stmt *select = NULL, *del = NULL;
         uint8_t tags[EVICT_STEP][CACHE_TAG_LEN];
         int64_t sizes[EVICT_STEP];
+        uint64_t done = 0;
         int n = 0, n_candidates = 0, r;
 
         if (sqlite3_exec(c->index, "BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK)
                 return -EIO;
         if (sqlite3_prepare_v2(c->index,
                                "SELECT tag, size FROM objects WHERE tag NOT IN (SELECT tag FROM pins) "
-                               "ORDER BY used, added LIMIT ?1", -1, &select, NULL) != SQLITE_OK ||
+                               "AND (?2 = 0 OR used < ?2) ORDER BY used, added LIMIT ?1", -1, &select,
+                               NULL) != SQLITE_OK ||
             sqlite3_prepare_v2(c->index, "DELETE FROM objects WHERE tag = ?1", -1, &del, NULL) != SQLITE_OK) {
                 r = -EIO;
                 goto out_rollback;
         }
         /* Candidates first: the table must not change under a running SELECT. */
         sqlite3_bind_int(select, 1, EVICT_STEP);
+        sqlite3_bind_int64(select, 2, keep_since);
         while (n_candidates < EVICT_STEP && sqlite3_step(select) == SQLITE_ROW) {
                 if (sqlite3_column_bytes(select, 0) != CACHE_TAG_LEN)
                         continue;
@@ -497,7 +549,7 @@ static int evict_step_locked(Cache *c, uint64_t *total, uint64_t low) {
         }
         sqlite3_finalize(select);
         select = NULL;
-        for (; n < n_candidates && *total > low; n++) {
+        for (; n < n_candidates && done < want; n++) {
                 char rel[sizeof("chunks/ab/cd/") + TAG_HEX_LEN];
 
                 object_relpath(tags[n], rel);
@@ -509,7 +561,7 @@ static int evict_step_locked(Cache *c, uint64_t *total, uint64_t low) {
                 sqlite3_bind_blob(del, 1, tags[n], CACHE_TAG_LEN, SQLITE_STATIC);
                 sqlite3_step(del);
                 sqlite3_reset(del);
-                *total -= (uint64_t) sizes[n] < *total ? (uint64_t) sizes[n] : *total;
+                done += sizes[n] > 0 ? (uint64_t) sizes[n] : 0;
         }
         sqlite3_finalize(del);
         del = NULL;
@@ -529,6 +581,8 @@ static int evict_step_locked(Cache *c, uint64_t *total, uint64_t low) {
                 goto out_rollback;
         }
         c->evictions += (uint64_t) n;
+        c->bytes_est -= done < c->bytes_est ? done : c->bytes_est;
+        *freed += done;
         return n;
 
 out_rollback:
@@ -538,21 +592,32 @@ out_rollback:
         return r;
 }
 
-/* Brings the cache below 90 % of its limit, least recently used first; lock held. */
-static int evict_locked(Cache *c) {
-        uint64_t low = c->limit / 10 * 9, total;
+/* Re-reads the index's total (with the noted last uses written first, for the LRU order); lock held. */
+static int bytes_refresh_locked(Cache *c) {
         int64_t bytes;
-        int r = 0;
 
         uses_flush_locked(c);
         bytes = index_query_int64(c, "SELECT coalesce(sum(size), 0) FROM objects");
         if (bytes < 0)
                 return -EIO;
-        total = (uint64_t) bytes;
-        if (total <= c->limit)
+        c->bytes_est = (uint64_t) bytes;
+        return 0;
+}
+
+/* Brings the cache below 90 % of its limit, least recently used first; lock held. */
+static int evict_locked(Cache *c) {
+        uint64_t low = c->limit / 10 * 9, freed = 0;
+        int r = 0;
+
+        if (c->limit == 0)
+                return 0;       /* the limit was lifted while the evictor runs */
+        r = bytes_refresh_locked(c);
+        if (r < 0)
+                return r;
+        if (c->bytes_est + c->pending + c->reserved <= c->limit)
                 return 0;
-        while (total > low) {
-                r = evict_step_locked(c, &total, low);
+        while (c->bytes_est + c->pending + c->reserved > low) {
+                r = evict_step_locked(c, c->bytes_est + c->pending + c->reserved - low, 0, &freed);
                 if (r < 0) {
                         log_warning("failed to evict from cache %s: %s", c->dir, sqlite3_errmsg(c->index));
                         return r;
@@ -564,6 +629,138 @@ static int evict_locked(Cache *c) {
                 pthread_mutex_lock(&c->lock);
         }
         return 0;
+}
+
+/* --- room ------------------------------------------------------------------------------------------- */
+
+/* What an object of len bytes takes on the file system: whole blocks. */
+static uint64_t fs_cost(uint64_t len) {
+        return (len + 4095) / 4096 * 4096;
+}
+
+/* Space on the file system under the cache that we may use, its size, and the floor kept free. */
+static int fs_space(Cache *c, uint64_t *ret_avail, uint64_t *ret_size, uint64_t *ret_floor) {
+        struct statvfs st;
+
+        if (fstatvfs(c->dir_fd, &st) < 0)
+                return -errno;
+        *ret_avail = (uint64_t) st.f_bavail * st.f_frsize;
+        *ret_size = (uint64_t) st.f_blocks * st.f_frsize;
+        /* At least a quarter megabyte (the index's write-ahead log grows in pages), at most a megabyte. */
+        *ret_floor = *ret_size / 64 < ROOM_FLOOR_MIN ? ROOM_FLOOR_MIN :
+                     *ret_size / 64 < ROOM_FLOOR_MAX ? *ret_size / 64 : ROOM_FLOOR_MAX;
+        return 0;
+}
+
+/*
+ * Makes room for an object of len bytes, evicting least recently used unpinned objects (those last used
+ * before keep_since, if it is not 0) until it fits; lock held.  With physical, only the file system counts
+ * (a write it refused: the reservations and the limit were checked before); otherwise the object must fit
+ * under the limit with every reservation, and on the file system (in whole blocks) with every reservation
+ * and the floor free.  Returns the objects evicted (0: it fitted), or -ENOSPC when nothing more may be
+ * evicted.
+ */
+static int room_make_locked(Cache *c, uint64_t len, int64_t keep_since, bool physical) {
+        uint64_t need = fs_cost(len);
+        uint64_t avail = 0, size = 0, floor = 0, start_avail = 0, freed = 0, reserved = physical ? 0 : c->reserved;
+        bool refreshed = false;
+        int evicted = 0, r;
+
+        for (;;) {
+                uint64_t fs_short = 0, limit_short = 0, have;
+
+                r = fs_space(c, &avail, &size, &floor);
+                if (r < 0)
+                        return r;
+                if (!refreshed)
+                        start_avail = avail;
+                /* Some file systems give freed blocks back only at their next commit: count what was freed. */
+                have = avail > start_avail + freed ? avail : start_avail + freed;
+                if (have < reserved + need + floor)
+                        fs_short = reserved + need + floor - have;
+                if (!physical && c->limit > 0 && c->bytes_est + c->pending + reserved + len > c->limit)
+                        limit_short = c->bytes_est + c->pending + reserved + len - c->limit;
+                if (fs_short == 0 && limit_short == 0)
+                        return evicted;
+                if (!refreshed) {
+                        /* Exact figures before evicting: other processes add and evict too. */
+                        refreshed = true;
+                        r = bytes_refresh_locked(c);
+                        if (r < 0)
+                                return r;
+                        continue;
+                }
+                /* Under the limit, go down to 90 % of it, as the evictor does, rather than one object at a time. */
+                if (limit_short > 0 && c->bytes_est > c->limit / 10 * 9 && c->bytes_est - c->limit / 10 * 9 > limit_short)
+                        limit_short = c->bytes_est - c->limit / 10 * 9;
+                r = evict_step_locked(c, fs_short > limit_short ? fs_short : limit_short, keep_since, &freed);
+                if (r < 0)
+                        return r;
+                if (r == 0)
+                        return -ENOSPC;
+                evicted += r;
+        }
+}
+
+static bool is_full(int r) {
+        return r == -ENOSPC || r == -EDQUOT;
+}
+
+/* Room for a new object of len bytes (see room_make_locked()), counted as pending until it is indexed (or
+ * pending_drop()); -ENOSPC if there is none. */
+static int room_for(Cache *c, size_t len, int64_t keep_since) {
+        int r;
+
+        pthread_mutex_lock(&c->lock);
+        r = room_make_locked(c, len, keep_since, false);
+        if (is_full(r))
+                c->refused++;
+        else if (r >= 0)
+                c->pending += len;
+        pthread_mutex_unlock(&c->lock);
+        return r < 0 ? r : 0;
+}
+
+static void pending_drop(Cache *c, size_t len) {
+        pthread_mutex_lock(&c->lock);
+        c->pending -= len < c->pending ? len : c->pending;
+        pthread_mutex_unlock(&c->lock);
+}
+
+int cache_reserve(Cache *c, uint64_t bytes) {
+        int r;
+
+        pthread_mutex_lock(&c->lock);
+        r = room_make_locked(c, fs_cost(bytes), 0, false);
+        if (r >= 0)
+                c->reserved += fs_cost(bytes);
+        else if (is_full(r))
+                c->refused++;
+        pthread_mutex_unlock(&c->lock);
+        return r < 0 ? r : 0;
+}
+
+void cache_unreserve(Cache *c, uint64_t bytes) {
+        pthread_mutex_lock(&c->lock);
+        c->reserved -= fs_cost(bytes) < c->reserved ? fs_cost(bytes) : c->reserved;
+        pthread_mutex_unlock(&c->lock);
+}
+
+/*
+ * After the file system refused a write with ENOSPC (err): evicts to make physical room for len bytes.
+ * Returns true if the write may be tried again (something was evicted, and the rounds are not used up).
+ */
+static bool room_retry(Cache *c, int err, size_t len, int64_t keep_since, int *round) {
+        int r;
+
+        if (!is_full(err) || ++*round > ROOM_RETRIES)
+                return false;
+        pthread_mutex_lock(&c->lock);
+        r = room_make_locked(c, len, keep_since, true);
+        if (r < 0)
+                c->refused++;
+        pthread_mutex_unlock(&c->lock);
+        return r >= 0;
 }
 
 int cache_evict(Cache *c) {
@@ -647,8 +844,28 @@ int64_t cache_size_parse(const char *text) {
         return (int64_t) (v << shift);
 }
 
+/* The bytes of the pinned objects (of one owner, or of any with owner NULL); lock held. */
+static int64_t pinned_bytes_locked(Cache *c, const char *owner) {
+        sqlite3_stmt *stmt = NULL;
+        int64_t v = -1;
+
+        if (sqlite3_prepare_v2(c->index,
+                               owner ? "SELECT coalesce(sum(size), 0) FROM objects WHERE tag IN "
+                                       "(SELECT tag FROM pins WHERE owner = ?1)"
+                                     : "SELECT coalesce(sum(size), 0) FROM objects WHERE tag IN (SELECT tag FROM pins)",
+                               -1, &stmt, NULL) != SQLITE_OK)
+                return -1;
+        if (owner)
+                sqlite3_bind_text(stmt, 1, owner, -1, SQLITE_STATIC);
+        if (sqlite3_step(stmt) == SQLITE_ROW)
+                v = sqlite3_column_int64(stmt, 0);
+        sqlite3_finalize(stmt);
+        return v;
+}
+
 int cache_status(Cache *c, CacheStatus *ret) {
-        int64_t objects, bytes, total, pinned;
+        int64_t objects, bytes, total, pinned, pinned_bytes, own = 0;
+        uint64_t avail = 0, size = 0, floor = 0, pending, clean, by_fs, by_limit;
 
         memset(ret, 0, sizeof(*ret));
         pthread_mutex_lock(&c->lock);
@@ -656,15 +873,35 @@ int cache_status(Cache *c, CacheStatus *ret) {
         bytes = index_query_int64(c, "SELECT coalesce(sum(size), 0) FROM objects");
         total = index_query_int64(c, "SELECT coalesce((SELECT value FROM meta WHERE name = 'evictions'), 0)");
         pinned = index_query_int64(c, "SELECT count(DISTINCT tag) FROM pins");
+        pinned_bytes = pinned_bytes_locked(c, NULL);
+        if (c->owner)
+                own = pinned_bytes_locked(c, c->owner);
+        if (bytes >= 0)
+                c->bytes_est = (uint64_t) bytes;
         ret->limit = c->limit;
         ret->evictions = c->evictions;
+        ret->reserved = c->reserved;
+        ret->refused = c->refused;
+        pending = c->pending;
+        fs_space(c, &avail, &size, &floor);
         pthread_mutex_unlock(&c->lock);
-        if (objects < 0 || bytes < 0 || total < 0 || pinned < 0)
+        if (objects < 0 || bytes < 0 || total < 0 || pinned < 0 || pinned_bytes < 0 || own < 0)
                 return -EIO;
         ret->objects = (uint64_t) objects;
         ret->bytes = (uint64_t) bytes;
         ret->evictions_total = (uint64_t) total;
         ret->pinned = (uint64_t) pinned;
+        ret->pinned_bytes = (uint64_t) pinned_bytes;
+        ret->own_pinned_bytes = (uint64_t) own;
+        ret->fs_free = avail;
+        ret->fs_size = size;
+        /* Room after evicting every clean object: on the file system, and under the limit. */
+        clean = ret->bytes > ret->pinned_bytes ? ret->bytes - ret->pinned_bytes : 0;
+        by_fs = avail + clean > ret->reserved + floor ? avail + clean - ret->reserved - floor : 0;
+        by_limit = c->limit == 0 ? UINT64_MAX :
+                   c->limit > ret->pinned_bytes + ret->reserved + pending ?
+                           c->limit - ret->pinned_bytes - ret->reserved - pending : 0;
+        ret->room = by_fs < by_limit ? by_fs : by_limit;
         return 0;
 }
 
@@ -752,6 +989,11 @@ int cache_open(const char *dir, Cache **ret) {
         }
         tmp_sweep(c);
         r = index_open(c);
+        if (r >= 0) {
+                pthread_mutex_lock(&c->lock);
+                r = bytes_refresh_locked(c);
+                pthread_mutex_unlock(&c->lock);
+        }
         if (r < 0)
                 goto out_free;
         *ret = c;
@@ -946,7 +1188,8 @@ static int tmp_write(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const void *obj
         fd = mkostemp(path, O_CLOEXEC);
         if (fd < 0) {
                 r = -errno;
-                log_error("failed to create %s: %s", path, strerror(-r));
+                if (!is_full(r))
+                        log_error("failed to create %s: %s", path, strerror(-r));
                 free(path);
                 return r;
         }
@@ -958,13 +1201,26 @@ static int tmp_write(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const void *obj
         if (close(fd) < 0 && r >= 0)
                 r = -errno;
         if (r < 0) {
-                log_error("failed to write %s: %s", path, strerror(-r));
+                /* No room is the caller's to handle (evict and retry, or report the cache full). */
+                if (!is_full(r))
+                        log_error("failed to write %s: %s", path, strerror(-r));
                 unlink(path);
                 free(path);
                 return r;
         }
         *ret_path = path;
         return 0;
+}
+
+/* tmp_write(), evicting and trying again while the file system has no room (see room_retry()). */
+static int tmp_write_room(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len, bool sync,
+                          int64_t keep_since, char **ret_path) {
+        int round = 0, r;
+
+        do
+                r = tmp_write(c, tag, object, len, sync, ret_path);
+        while (room_retry(c, r, len, keep_since, &round));
+        return r;
 }
 
 /* Renames a temporary file to the object's name, creating its directories. */
@@ -975,13 +1231,18 @@ static int tmp_install(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const char *t
         object_relpath(tag, rel);
         memcpy(dir, rel, 12);
         dir[12] = 0;
-        if (renameat(AT_FDCWD, tmp_path, c->dir_fd, rel) < 0) {
-                if (errno != ENOENT || (r = mkdir_p_at(c->dir_fd, dir)) < 0 ||
-                    renameat(AT_FDCWD, tmp_path, c->dir_fd, rel) < 0) {
-                        r = -errno;
-                        log_error("failed to rename %s to %s/%s: %s", tmp_path, c->dir, rel, strerror(-r));
-                        return r;
+        for (int round = 0; renameat(AT_FDCWD, tmp_path, c->dir_fd, rel) < 0;) {
+                r = -errno;
+                if (r == -ENOENT) {
+                        r = mkdir_p_at(c->dir_fd, dir);
+                        if (r >= 0)
+                                continue;
                 }
+                /* A new directory (or its entry) needs a block: make room as for an object. */
+                if (room_retry(c, r, 4096, 0, &round))
+                        continue;
+                log_error("failed to rename %s to %s/%s: %s", tmp_path, c->dir, rel, strerror(-r));
+                return r;
         }
         if (sync_dir) {
                 r = file_sync_at(c->dir_fd, dir);
@@ -993,20 +1254,42 @@ static int tmp_install(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const char *t
         return 0;
 }
 
-int cache_put(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len, bool durable) {
+static int put(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len, bool durable,
+               int64_t keep_since) {
         char *tmp = NULL;
         int r;
 
-        r = tmp_write(c, tag, object, len, durable, &tmp);
+        r = room_for(c, len, keep_since);
         if (r < 0)
                 return r;
-        r = tmp_install(c, tag, tmp, durable);
+        r = tmp_write_room(c, tag, object, len, durable, keep_since, &tmp);
+        if (r >= 0) {
+                r = tmp_install(c, tag, tmp, durable);
+                if (r < 0)
+                        unlink(tmp);
+                free(tmp);
+        }
         if (r < 0)
-                unlink(tmp);
+                pending_drop(c, len);
         else
-                index_insert(c, tag, len);
-        free(tmp);
+                index_insert(c, tag, len, keep_since);
         return r;
+}
+
+int cache_put(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len, bool durable) {
+        return put(c, tag, object, len, durable, 0);
+}
+
+int cache_put_keep(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len, int64_t keep_since) {
+        return put(c, tag, object, len, false, keep_since);
+}
+
+void cache_touch(Cache *c, const uint8_t tag[CACHE_TAG_LEN]) {
+        use_note(c, tag);
+}
+
+int64_t cache_now_us(void) {
+        return now_us();
 }
 
 int cache_batch_new(Cache *c, bool pin, CacheBatch **ret) {
@@ -1020,7 +1303,12 @@ int cache_batch_new(Cache *c, bool pin, CacheBatch **ret) {
         return 0;
 }
 
-int cache_batch_add(CacheBatch *b, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len) {
+void cache_batch_keep_since(CacheBatch *b, int64_t keep_since) {
+        b->keep_since = keep_since;
+}
+
+static int batch_add(CacheBatch *b, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len,
+                     bool reserved) {
         BatchEntry *e;
         int r;
 
@@ -1036,11 +1324,37 @@ int cache_batch_add(CacheBatch *b, const uint8_t tag[CACHE_TAG_LEN], const void 
         e = &b->entries[b->n];
         memcpy(e->tag, tag, CACHE_TAG_LEN);
         e->len = len;
-        r = tmp_write(b->cache, tag, object, len, false, &e->tmp_path);
+        e->indexed = false;
+        r = reserved ? 0 : room_for(b->cache, len, b->keep_since);
         if (r < 0)
                 return r;
+        r = tmp_write_room(b->cache, tag, object, len, false, b->keep_since, &e->tmp_path);
+        if (r < 0) {
+                if (!reserved)
+                        pending_drop(b->cache, len);
+                return r;
+        }
         b->n++;
         return 0;
+}
+
+int cache_batch_add(CacheBatch *b, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len) {
+        return batch_add(b, tag, object, len, false);
+}
+
+int cache_batch_add_reserved(CacheBatch *b, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len,
+                             uint64_t reserved) {
+        Cache *c = b->cache;
+        int r = batch_add(b, tag, object, len, true);
+
+        /* Written (or not): the object holds its room now (pending until indexed), or the caller reserves
+         * again. */
+        pthread_mutex_lock(&c->lock);
+        c->reserved -= fs_cost(reserved) < c->reserved ? fs_cost(reserved) : c->reserved;
+        if (r >= 0)
+                c->pending += len;
+        pthread_mutex_unlock(&c->lock);
+        return r;
 }
 
 /*
@@ -1094,8 +1408,10 @@ int cache_batch_commit(CacheBatch *b) {
                 log_error("failed to sync cache %s: %s", c->dir, strerror(-r));
                 return r;
         }
-        for (size_t i = 0; i < b->n; i++)
-                index_insert(c, b->entries[i].tag, b->entries[i].len);
+        for (size_t i = 0; i < b->n; i++) {
+                index_insert(c, b->entries[i].tag, b->entries[i].len, b->keep_since);
+                b->entries[i].indexed = true;
+        }
         return 0;
 }
 
@@ -1107,6 +1423,8 @@ CacheBatch *cache_batch_free(CacheBatch *b) {
                         unlink(b->entries[i].tmp_path);
                         free(b->entries[i].tmp_path);
                 }
+                if (!b->entries[i].indexed)
+                        pending_drop(b->cache, b->entries[i].len);
         }
         free(b->entries);
         free(b);

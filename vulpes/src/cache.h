@@ -38,12 +38,35 @@ int cache_get_into(Cache *c, const uint8_t tag[CACHE_TAG_LEN], void *buf, size_t
 /* True if an object file for tag exists (not verified). */
 bool cache_has(Cache *c, const uint8_t tag[CACHE_TAG_LEN]);
 
+/* Notes a use of tag (LRU order) without reading it: a hoard that finds an object in the cache keeps it. */
+void cache_touch(Cache *c, const uint8_t tag[CACHE_TAG_LEN]);
+
+/* Now, in the clock of the index's last-use times (microseconds), for cache_put_keep() and batches. */
+int64_t cache_now_us(void);
+
 /*
  * Stores an object the caller has verified (or just encoded) under its tag: temporary file, then rename.
  * With durable, the file is fsync()ed before and its directory after the rename.  An existing file is
  * replaced, never trusted: a crash can leave a torn file under a tag name that is only found on read.
+ *
+ * Room: a new object must fit under the limit (with the reservations, see cache_reserve()) and on the
+ * file system with every reservation and a small floor still free.  If it does not, least recently used
+ * unpinned objects are evicted first; -ENOSPC only when that cannot make room.  cache_put_keep() evicts
+ * only objects last used before keep_since (cache_now_us() at a hoard's start), so that a hoard never
+ * pushes out what it has just stored: it reports the cache full instead.
  */
 int cache_put(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len, bool durable);
+int cache_put_keep(Cache *c, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len, int64_t keep_since);
+
+/*
+ * Reservations hold room for objects that must be writable later: dirty chunks, whose flush must never
+ * fail for lack of space after their write was acknowledged.  cache_reserve() takes bytes of room (under
+ * the limit and on the file system, evicting as cache_put() does) or fails with -ENOSPC; other writers
+ * (reads, hoards) must leave reserved room free.  A reservation is given back with cache_unreserve(), or
+ * by cache_batch_add_reserved() once the object it was held for is written.
+ */
+int cache_reserve(Cache *c, uint64_t bytes);
+void cache_unreserve(Cache *c, uint64_t bytes);
 
 /* Moves a bad object out of the way (to dir/quarantine/<tag>.<time>) and drops it from the index. */
 int cache_quarantine(Cache *c, const uint8_t tag[CACHE_TAG_LEN]);
@@ -56,7 +79,13 @@ int cache_quarantine(Cache *c, const uint8_t tag[CACHE_TAG_LEN]);
  * object (see cache_pin()) before it becomes visible.
  */
 int cache_batch_new(Cache *c, bool pin, CacheBatch **ret);
+/* Objects of this batch evict only objects last used before keep_since (see cache_put_keep()). */
+void cache_batch_keep_since(CacheBatch *b, int64_t keep_since);
 int cache_batch_add(CacheBatch *b, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len);
+/* An object whose room is reserved: written without a room check; gives back reserved bytes when the
+ * temporary file is written (or failed). */
+int cache_batch_add_reserved(CacheBatch *b, const uint8_t tag[CACHE_TAG_LEN], const void *object, size_t len,
+                             uint64_t reserved);
 int cache_batch_commit(CacheBatch *b);
 CacheBatch *cache_batch_free(CacheBatch *b);
 
@@ -72,6 +101,12 @@ typedef struct CacheStatus {
         uint64_t evictions;              /* objects evicted by this process */
         uint64_t evictions_total;        /* by every process sharing the cache, ever */
         uint64_t pinned;                 /* objects that must not be evicted (any owner) */
+        uint64_t pinned_bytes;           /* their bytes; the rest of bytes is clean: it can be evicted */
+        uint64_t own_pinned_bytes;       /* pinned by this owner as pending uploads (see cache_set_owner()) */
+        uint64_t reserved;               /* bytes reserved by this process (cache_reserve()) */
+        uint64_t fs_free, fs_size;       /* the file system under the cache: available to us, and its size */
+        uint64_t room;                   /* bytes of new objects that fit after evicting every clean object */
+        uint64_t refused;                /* writes and reservations refused for lack of room (this process) */
 } CacheStatus;
 
 int cache_status(Cache *c, CacheStatus *ret);
@@ -99,3 +134,5 @@ int cache_set_owner(Cache *c, const char *owner);
 int cache_pin(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n);
 int cache_unpin(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n);
 int cache_pins_replace(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n);
+/* The same for another owner name (NULL tags with n 0: drop every pin of that owner). */
+int cache_pins_replace_owner(Cache *c, const char *owner, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n);

@@ -218,11 +218,23 @@ static json_t *op_upload(Control *c) {
         if (!w)
                 return error_response("no server is configured");
         r = daemon_flush(c->daemon);
-        if (r < 0)
+        if (r < 0 && r != -ENOSPC && r != -EDQUOT)
                 return error_response("failed to flush: %s", strerror(-r));
         n = writeback_upload_all(w);
         if (n < 0)
                 return error_response("failed to upload: %s", strerror((int) -n));
+        if (r < 0) {
+                /* The cache had no room for the rest: what went to the server may be dropped now. */
+                int64_t more;
+
+                r = daemon_room_reclaim(c->daemon, true);
+                if (r < 0)
+                        return error_response("failed to flush: %s", strerror(-r));
+                more = writeback_upload_all(w);
+                if (more < 0)
+                        return error_response("failed to upload: %s", strerror((int) -more));
+                n += more;
+        }
         response = ok_response();
         json_object_set_new(response, "uploaded", json_integer(n));
         return response;
@@ -239,6 +251,20 @@ static json_t *handle(Control *c, json_t *request) {
         if (strcmp(op, "flush") == 0) {
                 r = daemon_flush(c->daemon);
                 return r < 0 ? error_response("failed to flush: %s", strerror(-r)) : ok_response();
+        }
+        if (strcmp(op, "reclaim") == 0) {
+                /* Room held for nothing given back; a flush that finds no room still answers (see the status). */
+                r = daemon_room_reclaim(c->daemon, true);
+                return r < 0 && r != -ENOSPC && r != -EDQUOT ? error_response("failed to reclaim room: %s", strerror(-r))
+                                                             : op_status(c);
+        }
+        if (strcmp(op, "cache-limit") == 0) {
+                json_t *limit = json_object_get(request, "limit");
+
+                if (!json_is_integer(limit) || json_integer_value(limit) < 0)
+                        return error_response("cache-limit needs \"limit\": bytes (0: none)");
+                r = cache_set_limit(daemon_cache(c->daemon), (uint64_t) json_integer_value(limit));
+                return r < 0 ? error_response("failed to set the cache limit: %s", strerror(-r)) : op_status(c);
         }
         if (strcmp(op, "hoard") == 0)
                 return op_hoard(c, request);
@@ -273,8 +299,12 @@ static json_t *handle(Control *c, json_t *request) {
                 return response;
         }
         if (strcmp(op, "checkin-done") == 0) {
+                /* The keyrings are the version the server just committed, so it has every object they name:
+                 * nothing is pending any more, and the cache may evict those objects. */
                 for (int i = 0; i < _DAEMON_IMAGE_MAX; i++) {
                         r = image_changed_reset(daemon_image(c->daemon, (DaemonImage) i));
+                        if (r >= 0)
+                                r = image_uploads_clear(daemon_image(c->daemon, (DaemonImage) i));
                         if (r < 0)
                                 return error_response("failed to reset the changed chunks: %s", strerror(-r));
                 }

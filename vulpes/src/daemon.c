@@ -53,28 +53,21 @@ Trace *daemon_trace(Daemon *d) {
         return d->trace;
 }
 
-/*
- * Pins, in the shared cache, exactly the objects of this parcel that the server may not have (its pending
- * uploads, read from the keyrings, which are the truth), replacing whatever this state directory pinned
- * before: a crash can leave stale pins, a damaged index loses them.  The owner is the state directory's
- * real path, so every vulpes of the parcel is the same owner.
- */
-static int cache_pins_restore(Daemon *d, const char *state_dir) {
-        uint8_t (*all)[IMAGE_TAG_LEN] = NULL;
-        char owner[PATH_MAX];
-        size_t n_all = 0;
-        int r;
+Cache *daemon_cache(Daemon *d) {
+        return d->cache;
+}
 
-        if (!realpath(state_dir, owner))
-                snprintf(owner, sizeof(owner), "%s", state_dir);
-        r = cache_set_owner(d->cache, owner);
-        if (r < 0)
-                return r;
+/* The tags of every image: its pending uploads, or with records, every record's (malloc()ed). */
+static int tags_of_images(Daemon *d, bool records, uint8_t (**ret_tags)[IMAGE_TAG_LEN], size_t *ret_n) {
+        uint8_t (*all)[IMAGE_TAG_LEN] = NULL;
+        size_t n_all = 0;
+        int r = 0;
+
         for (int i = 0; i < _DAEMON_IMAGE_MAX; i++) {
                 uint8_t (*tags)[IMAGE_TAG_LEN] = NULL, (*p)[IMAGE_TAG_LEN];
                 size_t n = 0;
 
-                r = image_pending_uploads(d->images[i], &tags, &n);
+                r = records ? image_record_tags(d->images[i], &tags, &n) : image_pending_uploads(d->images[i], &tags, &n);
                 if (r < 0)
                         goto out;
                 p = n > 0 ? realloc(all, (n_all + n) * sizeof(*all)) : all;
@@ -89,10 +82,56 @@ static int cache_pins_restore(Daemon *d, const char *state_dir) {
                 n_all += n;
                 free(tags);
         }
-        r = cache_pins_replace(d->cache, (const uint8_t (*)[CACHE_TAG_LEN]) all, n_all);
+        *ret_tags = all;
+        *ret_n = n_all;
+        return 0;
 out:
         free(all);
         return r;
+}
+
+/*
+ * Pins, in the shared cache, exactly the objects of this parcel that the server may not have (its pending
+ * uploads, read from the keyrings, which are the truth), replacing whatever this state directory pinned
+ * before: a crash can leave stale pins, a damaged index loses them.  The owner is the state directory's
+ * real path, so every vulpes of the parcel is the same owner.  Without a server (disconnected operation)
+ * every object the keyrings name is pinned too, as owner "<path>#disconnected": nothing could fetch it
+ * again, so no writer may evict it to make room; with a server those pins are dropped.
+ */
+static int cache_pins_restore(Daemon *d, const char *state_dir, bool disconnected) {
+        uint8_t (*tags)[IMAGE_TAG_LEN] = NULL;
+        char owner[PATH_MAX], other[PATH_MAX + 16];
+        size_t n = 0;
+        int r;
+
+        if (!realpath(state_dir, owner))
+                snprintf(owner, sizeof(owner), "%s", state_dir);
+        r = cache_set_owner(d->cache, owner);
+        if (r < 0)
+                return r;
+        r = tags_of_images(d, false, &tags, &n);
+        if (r < 0)
+                return r;
+        r = cache_pins_replace(d->cache, (const uint8_t (*)[CACHE_TAG_LEN]) tags, n);
+        free(tags);
+        tags = NULL;
+        n = 0;
+        if (r < 0)
+                return r;
+        snprintf(other, sizeof(other), "%s#disconnected", owner);
+        if (disconnected) {
+                r = tags_of_images(d, true, &tags, &n);
+                if (r < 0)
+                        return r;
+        }
+        r = cache_pins_replace_owner(d->cache, other, (const uint8_t (*)[CACHE_TAG_LEN]) tags, n);
+        free(tags);
+        return r;
+}
+
+/* An image's write or flush that found no room (see daemon_room_reclaim()). */
+static int make_room(void *userdata, bool flush) {
+        return daemon_room_reclaim(userdata, flush);
 }
 
 int daemon_new(const DaemonConfig *config, Daemon **ret) {
@@ -139,6 +178,8 @@ int daemon_new(const DaemonConfig *config, Daemon **ret) {
                 .trace = d->trace,
                 .parcel_key = d->keys,
                 .secret = d->keys + 32,
+                .make_room = make_room,
+                .make_room_data = d,
         };
         for (int i = 0; i < _DAEMON_IMAGE_MAX; i++) {
                 snprintf(path, sizeof(path), "%s/keyring.%s", config->state_dir, image_names[i]);
@@ -150,7 +191,10 @@ int daemon_new(const DaemonConfig *config, Daemon **ret) {
                 }
         }
         d->chunk_size = image_chunk_size(d->images[DAEMON_IMAGE_DISK]);
-        r = cache_pins_restore(d, config->state_dir);
+        /* The memory image's writes are the kernel's writeback of QEMU's mapping of it: refused, they would
+         * be lost; without room they wait (the session pauses the VM).  The disk's fail with ENOSPC. */
+        image_set_full_waits(d->images[DAEMON_IMAGE_MEMORY], true);
+        r = cache_pins_restore(d, config->state_dir, !config->server_url);
         if (r < 0)
                 goto out_free;
         r = cache_set_limit(d->cache, config->cache_limit_bytes);
@@ -220,6 +264,31 @@ int daemon_flush(Daemon *d) {
         return r;
 }
 
+/*
+ * Gives back room held for nothing: with flush, the reservations of dirty chunks beyond what their objects
+ * take (by flushing them); and the pins of pending uploads that no record names any more (a chunk written
+ * again before its upload), which only the pins of this parcel say must stay.  The pins are replaced by
+ * the pending uploads with every flush held off: a flush pins its objects before the keyring names them.
+ */
+int daemon_room_reclaim(Daemon *d, bool flush) {
+        uint8_t (*tags)[IMAGE_TAG_LEN] = NULL;
+        size_t n = 0;
+        int r = 0;
+
+        if (flush)
+                r = daemon_flush(d);
+        for (int i = 0; i < _DAEMON_IMAGE_MAX; i++)
+                image_flush_hold(d->images[i]);
+        int q = tags_of_images(d, false, &tags, &n);
+
+        if (q >= 0)
+                q = cache_pins_replace(d->cache, (const uint8_t (*)[CACHE_TAG_LEN]) tags, n);
+        for (int i = _DAEMON_IMAGE_MAX - 1; i >= 0; i--)
+                image_flush_release(d->images[i]);
+        free(tags);
+        return r < 0 ? r : q;
+}
+
 int daemon_set_offline(Daemon *d, bool offline) {
         if (!d->fetcher)
                 return -ENOTCONN;
@@ -282,10 +351,10 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
                 fprintf(f,
                         "%s\"%s\":{\"size\":%llu,\"chunk_size\":%u,\"chunks\":%llu,\"records\":%llu,\"ram_bytes\":%llu,"
                         "\"dirty_chunks\":%llu,\"changed_chunks\":%llu,\"pending_uploads\":%llu,\"flush_error\":%d,"
-                        "\"pack_bytes\":%llu}",
+                        "\"pack_bytes\":%llu,\"dirty_bytes\":%llu,\"unreserved_chunks\":%llu}",
                         i ? "," : "", image_names[i], U(st.size), st.chunk_size, U(st.chunks), U(st.records),
                         U(st.ram_bytes), U(st.dirty_chunks), U(st.changed_chunks), U(st.pending_uploads),
-                        st.flush_error, U(st.pack_bytes));
+                        st.flush_error, U(st.pack_bytes), U(st.dirty_bytes), U(st.unreserved_chunks));
         }
         fprintf(f,
                 "},\"io\":{\"bytes_read\":%llu,\"bytes_written\":%llu,\"chunks_read\":%llu,\"chunks_written\":%llu},"
@@ -320,9 +389,13 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
         fprintf(f, "},\"cache\":{\"dir\":");
         json_string(f, cache_dir(d->cache));
         fprintf(f, ",\"objects\":%llu,\"bytes\":%llu,\"limit\":%llu,\"evictions\":%llu,\"evictions_total\":%llu,"
-                   "\"pinned\":%llu,\"quarantined\":%llu},\"lookaside_bad\":%llu,"
+                   "\"pinned\":%llu,\"pinned_bytes\":%llu,\"own_pinned_bytes\":%llu,\"reserved\":%llu,"
+                   "\"fs_free\":%llu,\"fs_size\":%llu,\"room\":%llu,\"refused\":%llu,"
+                   "\"quarantined\":%llu},\"lookaside_bad\":%llu,"
                    "\"flush\":{\"flushes\":%llu,\"chunks\":%llu}",
                 U(cs.objects), U(cs.bytes), U(cs.limit), U(cs.evictions), U(cs.evictions_total), U(cs.pinned),
+                U(cs.pinned_bytes), U(cs.own_pinned_bytes), U(cs.reserved), U(cs.fs_free), U(cs.fs_size),
+                U(cs.room), U(cs.refused),
                 U(stats_get(&s->quarantined)), U(stats_get(&s->lookaside_bad)),
                 U(stats_get(&s->flushes)), U(stats_get(&s->chunks_flushed)));
         if (d->hoard) {
@@ -332,13 +405,14 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
                 /* Eviction (by any process) after the hoard finished may have removed hoarded objects. */
                 fprintf(f,
                         ",\"hoard\":{\"state\":\"%s\",\"complete\":%s,\"chunks_done\":%llu,\"chunks_total\":%llu,"
-                        "\"chunks_failed\":%llu,\"bytes_done\":%llu,\"bytes_total\":%llu,\"bytes_fetched\":%llu,"
-                        "\"seconds\":%.3f}",
+                        "\"chunks_failed\":%llu,\"chunks_unstored\":%llu,\"cache_full\":%s,\"bytes_done\":%llu,"
+                        "\"bytes_total\":%llu,\"bytes_fetched\":%llu,\"seconds\":%.3f}",
                         hoard_state_name(p.state),
-                        p.state == HOARD_DONE && p.chunks_failed == 0 && cs.evictions_total == p.evictions_at_done ?
-                                "true" : "false",
-                        U(p.chunks_done), U(p.chunks_total), U(p.chunks_failed), U(p.bytes_done), U(p.bytes_total),
-                        U(p.bytes_fetched), p.seconds);
+                        p.state == HOARD_DONE && p.chunks_failed == 0 && !p.cache_full &&
+                                cs.evictions_total == p.evictions_at_done ? "true" : "false",
+                        U(p.chunks_done), U(p.chunks_total), U(p.chunks_failed), U(p.chunks_unstored),
+                        p.cache_full ? "true" : "false", U(p.bytes_done), U(p.bytes_total), U(p.bytes_fetched),
+                        p.seconds);
         }
         if (d->writeback) {
                 WritebackStatus w;

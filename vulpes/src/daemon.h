@@ -53,11 +53,14 @@ const char *daemon_image_name(DaemonImage id);
 Hoard *daemon_hoard(Daemon *d);              /* NULL without a server */
 Writeback *daemon_writeback(Daemon *d);      /* NULL without a server */
 Trace *daemon_trace(Daemon *d);
+Cache *daemon_cache(Daemon *d);
 
 /* Continues a remembered hoard request; call once the daemon serves. */
 int daemon_start_background(Daemon *d);
 
 int daemon_flush(Daemon *d);
+/* Room held for nothing given back: dirty chunks flushed (with flush), stale pins dropped. */
+int daemon_room_reclaim(Daemon *d, bool flush);
 int daemon_set_offline(Daemon *d, bool offline);
 int daemon_trace_start(Daemon *d, const char *path);
 

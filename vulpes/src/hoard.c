@@ -50,6 +50,7 @@ struct Hoard {
         unsigned outstanding;
         HoardProgress progress;
         struct timespec started;
+        int64_t keep_since;               /* the run's start in the cache's clock: what it may not evict */
 };
 
 typedef struct Pending {
@@ -167,10 +168,16 @@ static int state_load(Hoard *h, Target **ret, FetchPriority *ret_priority) {
 static void on_fetched(int result, const uint8_t *object, size_t len, void *userdata) {
         Pending *p = userdata;
         Hoard *h = p->hoard;
+        int stored = 0;
 
         if (result == 0)
-                cache_put(h->cache, p->tag, object, len, false);
-        else if (result != -ECANCELED) {
+                stored = cache_put_keep(h->cache, p->tag, object, len, h->keep_since);
+        if (result == 0 && stored < 0 && stored != -ENOSPC && stored != -EDQUOT) {
+                char hex[IMAGE_TAG_LEN * 2 + 1];
+
+                hex_encode(p->tag, IMAGE_TAG_LEN, hex);
+                log_warning("failed to hoard chunk %s: cannot store it in the cache: %s", hex, strerror(-stored));
+        } else if (result != 0 && result != -ECANCELED) {
                 char hex[IMAGE_TAG_LEN * 2 + 1];
 
                 hex_encode(p->tag, IMAGE_TAG_LEN, hex);
@@ -178,10 +185,15 @@ static void on_fetched(int result, const uint8_t *object, size_t len, void *user
                             result == -ENOENT ? "the server does not have it" : "every copy failed verification");
         }
         pthread_mutex_lock(&h->lock);
-        if (result == 0) {
+        if (result == 0)
+                h->progress.bytes_fetched += len;
+        if (result == 0 && stored >= 0) {
                 h->progress.chunks_done++;
                 h->progress.bytes_done += p->plain_len;
-                h->progress.bytes_fetched += len;
+        } else if (result == 0 && (stored == -ENOSPC || stored == -EDQUOT)) {
+                /* No more room that this hoard may make: it stops asking for more. */
+                h->progress.chunks_unstored++;
+                h->progress.cache_full = true;
         } else {
                 h->progress.chunks_failed++;
         }
@@ -200,6 +212,8 @@ static int hoard_one(Hoard *h, Image *img, uint64_t idx) {
         if (image_chunk_tag(img, idx, tag) < 0)
                 return 0;           /* all zeros: nothing to fetch, not counted */
         if (cache_has(h->cache, tag)) {
+                /* Kept: a used object is one this hoard does not evict to make room for the rest. */
+                cache_touch(h->cache, tag);
                 pthread_mutex_lock(&h->lock);
                 h->progress.chunks_done++;
                 h->progress.bytes_done += plain_len;
@@ -214,12 +228,13 @@ static int hoard_one(Hoard *h, Image *img, uint64_t idx) {
         p->plain_len = plain_len;
 
         pthread_mutex_lock(&h->lock);
-        while (h->outstanding >= h->window && !h->stop)
+        while (h->outstanding >= h->window && !h->stop && !h->progress.cache_full)
                 pthread_cond_wait(&h->cond, &h->lock);
-        if (h->stop) {
+        if (h->stop || h->progress.cache_full) {
+                r = h->stop ? -ECANCELED : -ENOSPC;
                 pthread_mutex_unlock(&h->lock);
                 free(p);
-                return -ECANCELED;
+                return r;
         }
         h->outstanding++;
         pthread_mutex_unlock(&h->lock);
@@ -286,9 +301,15 @@ static void *hoard_thread(void *userdata) {
                 h->progress.state = HOARD_DONE;
                 h->progress.evictions_at_done = cache_evictions_total(h->cache);
                 unlink(h->state_path);
-                log_info("hoard finished: %llu chunks, %llu failed, %llu bytes fetched",
-                         (unsigned long long) h->progress.chunks_done, (unsigned long long) h->progress.chunks_failed,
-                         (unsigned long long) h->progress.bytes_fetched);
+                if (h->progress.cache_full)
+                        log_warning("failed to hoard everything: the cache has no room left; %llu of %llu chunks "
+                                    "are in the cache", (unsigned long long) h->progress.chunks_done,
+                                    (unsigned long long) h->progress.chunks_total);
+                else
+                        log_info("hoard finished: %llu chunks, %llu failed, %llu bytes fetched",
+                                 (unsigned long long) h->progress.chunks_done,
+                                 (unsigned long long) h->progress.chunks_failed,
+                                 (unsigned long long) h->progress.bytes_fetched);
         }
         pthread_cond_broadcast(&h->cond);
         pthread_mutex_unlock(&h->lock);
@@ -348,6 +369,7 @@ static int run(Hoard *h, Target *targets, FetchPriority priority) {
         h->progress.chunks_total = chunks;
         h->progress.bytes_total = bytes;
         clock_gettime(CLOCK_MONOTONIC, &h->started);
+        h->keep_since = cache_now_us();
         r = state_save(h);
         if (r < 0) {
                 h->progress.state = HOARD_IDLE;

@@ -29,6 +29,8 @@ typedef enum HoardState {
 typedef struct HoardProgress {
         HoardState state;
         uint64_t chunks_total, chunks_done, chunks_failed;
+        uint64_t chunks_unstored;           /* fetched, but the cache had no room for them */
+        bool cache_full;                    /* the hoard ended early: the cache has no room for the rest */
         uint64_t bytes_total, bytes_done;   /* plaintext bytes of the chunks */
         uint64_t bytes_fetched;             /* object bytes downloaded by this run */
         double seconds;                     /* since this run started */
@@ -40,6 +42,8 @@ const char *hoard_state_name(HoardState state);
 /*
  * The hoarder of a set of images.  state_path remembers a running request, so that a restarted daemon
  * continues it (hoard_resume()); chunks already in the cache are skipped, so a restart costs nothing.
+ * A hoard never evicts what it stored or found in the cache itself (cache_put_keep()): when the cache has
+ * no room left for its next object it ends early, done with cache_full, counting exactly what is there.
  */
 int hoard_new(Image *const *images, size_t n_images, Cache *cache, Fetcher *fetcher, const char *state_path,
               unsigned window, Hoard **ret);

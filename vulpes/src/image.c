@@ -17,6 +17,10 @@
  * to the keyring (synchronous=FULL).  A kill -9 at any instant leaves the keyring naming only objects
  * that are on disk: either the old record or the new one, never a dangling one.
  *
+ * Room: a chunk that becomes dirty reserves room in the cache for its largest object first
+ * (cache_reserve()), and its flush spends that reservation, so a flush does not fail for lack of space
+ * after the write was acknowledged; a write without room fails with ENOSPC before it changes anything.
+ *
  * Threading: every function is safe from any thread.  Lock order: flush_lock, then lock, then db_lock.
  * Besides the callers' threads: one flusher and READAHEAD_WORKERS readahead workers per image.
  */
@@ -80,6 +84,7 @@ typedef struct Chunk {
         uint32_t gen;                      /* bumped by every write, so a flush knows if it saw the last one */
         bool ahead;                        /* loaded by readahead, not read yet: its first read reports ahead_tier */
         bool pack_stale;                   /* written since the resume pack was taken: the pack is not its content */
+        bool reserved;                     /* holds room in the cache for its object (dirty chunks only) */
         uint8_t ahead_tier;
         int64_t lru_prev, lru_next;        /* clean READY chunks only; head is the least recently used */
 } Chunk;
@@ -106,6 +111,8 @@ struct Image {
         int64_t lru_head, lru_tail;
         uint64_t ram_bytes, ram_limit, dirty_bytes, dirty_chunks;
         int flush_error;
+        uint64_t object_max;               /* the room a dirty chunk reserves: its largest object */
+        bool full_waits;                   /* without room, writes go ahead unreserved and wait at the RAM bound */
 
         /* Readahead, under lock: the chunk after the last read, how far ahead is scheduled, the queue. */
         uint64_t ra_next, ra_end, ra_window;
@@ -697,6 +704,38 @@ static void flusher_kick_locked(Image *img) {
         pthread_cond_signal(&img->flusher_cond);
 }
 
+static bool is_full(int r) {
+        return r == -ENOSPC || r == -EDQUOT;
+}
+
+/*
+ * With the lock held, before chunk idx (READY, clean) becomes dirty: room in the cache for its object.
+ * The lock is dropped meanwhile (a reservation may evict, or flush to give back what dirty chunks hold
+ * beyond their objects); the chunk is pinned so that it stays in RAM.  Returns 0, or -ENOSPC (only
+ * without full_waits: then the chunk goes ahead without room, and its flush reserves again).
+ */
+static int chunk_reserve_locked(Image *img, uint64_t idx) {
+        Chunk *c = &img->chunks[idx];
+        int r;
+
+        c->pins++;
+        pthread_mutex_unlock(&img->lock);
+        r = cache_reserve(img->src.cache, img->object_max);
+        if (is_full(r) && !img->full_waits && img->src.make_room) {
+                img->src.make_room(img->src.make_room_data, true);
+                r = cache_reserve(img->src.cache, img->object_max);
+        }
+        pthread_mutex_lock(&img->lock);
+        c->pins--;
+        if (r < 0)
+                return img->full_waits ? 0 : r;
+        /* Another writer may have made it dirty, with room, meanwhile. */
+        if (c->reserved)
+                cache_unreserve(img->src.cache, img->object_max);
+        c->reserved = true;
+        return 0;
+}
+
 ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset) {
         const uint8_t *in = buf;
         size_t done = 0;
@@ -717,7 +756,7 @@ ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset) {
                 pthread_mutex_lock(&img->lock);
                 /* Back-pressure: dirty chunks are pinned, so they must not fill RAM. */
                 while (!c->dirty && img->dirty_bytes + n > img->ram_limit / 4 * 3 && img->dirty_chunks > 0) {
-                        if (img->flush_error) {
+                        if (img->flush_error && !(img->full_waits && is_full(img->flush_error))) {
                                 r = img->flush_error;
                                 pthread_mutex_unlock(&img->lock);
                                 return done > 0 ? (ssize_t) done : r;
@@ -726,6 +765,8 @@ ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset) {
                         pthread_cond_wait(&img->cond, &img->lock);
                 }
                 r = chunk_ready_locked(img, idx, piece == n, &tier);
+                if (r >= 0 && !c->dirty && !c->reserved)
+                        r = chunk_reserve_locked(img, idx);
                 if (r < 0) {
                         pthread_mutex_unlock(&img->lock);
                         stats_add(&img->src.stats->errors, 1);
@@ -756,7 +797,36 @@ typedef struct FlushItem {
         uint64_t idx;
         uint32_t gen;
         uint8_t *data;
+        bool reserved;                     /* holds room for its object (from the chunk, or reserved by the flush) */
+        bool spent;                        /* that room went to writing the object (cache_batch_add_reserved()) */
 } FlushItem;
+
+/*
+ * After a batch, for the chunks that are still dirty (written again meanwhile, or the flush failed): room
+ * for their next flush.  The room an item still holds stays with its chunk; a chunk whose room went to an
+ * object reserves again, without evicting for it if there is none (its next flush tries again).  With the
+ * flush lock held: no other flush changes the reservations meanwhile.
+ */
+static void reservations_settle(Image *img, FlushItem *items, size_t n) {
+        for (size_t i = 0; i < n; i++) {
+                Chunk *c = &img->chunks[items[i].idx];
+                bool again;
+
+                pthread_mutex_lock(&img->lock);
+                again = c->dirty && !(items[i].reserved && !items[i].spent);
+                if (c->dirty)
+                        c->reserved = !again;
+                pthread_mutex_unlock(&img->lock);
+                if (again && cache_reserve(img->src.cache, img->object_max) >= 0) {
+                        pthread_mutex_lock(&img->lock);
+                        if (c->dirty && !c->reserved)
+                                c->reserved = true;
+                        else
+                                cache_unreserve(img->src.cache, img->object_max);
+                        pthread_mutex_unlock(&img->lock);
+                }
+        }
+}
 
 /* Encodes, stores and records one batch; then marks the chunks clean that were not written meanwhile. */
 static int flush_batch(Image *img, FlushItem *items, size_t n) {
@@ -774,6 +844,19 @@ static int flush_batch(Image *img, FlushItem *items, size_t n) {
         r = cache_batch_new(img->src.cache, true, &batch);
         if (r < 0)
                 goto out;
+        /* Chunks that went dirty without room (full_waits) need it now, before any work. */
+        for (size_t i = 0; i < n; i++) {
+                if (items[i].reserved)
+                        continue;
+                r = cache_reserve(img->src.cache, img->object_max);
+                if (r < 0) {
+                        log_warning("failed to flush %s chunk %llu: %s", img->name,
+                                    (unsigned long long) items[i].idx,
+                                    is_full(r) ? "the cache has no room for it" : strerror(-r));
+                        goto out;
+                }
+                items[i].reserved = true;
+        }
         for (size_t i = 0; i < n; i++) {
                 size_t len = length_of(img, items[i].idx), object_len = 0;
                 uint8_t key[IMAGE_KEY_LEN];
@@ -789,8 +872,10 @@ static int flush_batch(Image *img, FlushItem *items, size_t n) {
                 if (r >= 0)
                         r = keyring_wrap_key(img->src.parcel_key, key, ch->record.wkey);
                 crypto_wipe(key, sizeof(key));
-                if (r >= 0)
-                        r = cache_batch_add(batch, ch->record.tag, object, object_len);
+                if (r >= 0) {
+                        r = cache_batch_add_reserved(batch, ch->record.tag, object, object_len, img->object_max);
+                        items[i].spent = true;
+                }
                 if (r < 0) {
                         log_error("failed to flush %s chunk %llu: %s", img->name, (unsigned long long) items[i].idx,
                                   strerror(-r));
@@ -825,6 +910,11 @@ static int flush_batch(Image *img, FlushItem *items, size_t n) {
                         img->dirty_bytes -= length_of(img, idx);
                         img->dirty_chunks--;
                         lru_append(img, (int64_t) idx);
+                        /* Clean: its room went to its object, or (all zeros) is not needed. */
+                        if (items[i].reserved && !items[i].spent)
+                                cache_unreserve(img->src.cache, img->object_max);
+                        c->reserved = false;
+                        items[i].reserved = items[i].spent = false;
                 }
         }
         img->flush_error = 0;
@@ -837,6 +927,7 @@ out:
         cache_batch_free(batch);
         free(object);
         free(changes);
+        reservations_settle(img, items, n);
         return r;
 }
 
@@ -881,6 +972,7 @@ int image_flush(Image *img) {
                         memcpy(items[n].data, c->data, len);
                         items[n].idx = dirty[start];
                         items[n].gen = c->gen;
+                        items[n].reserved = c->reserved;
                         n++;
                 }
                 pthread_mutex_unlock(&img->lock);
@@ -898,6 +990,10 @@ int image_flush(Image *img) {
                         goto out;
                 }
         }
+        /* Everything dirty at the call is durable now (or there was nothing): no failure stands. */
+        pthread_mutex_lock(&img->lock);
+        img->flush_error = 0;
+        pthread_mutex_unlock(&img->lock);
         stats_add(&img->src.stats->flushes, 1);
 out:
         free(dirty);
@@ -905,8 +1001,17 @@ out:
         return r;
 }
 
+void image_flush_hold(Image *img) {
+        pthread_mutex_lock(&img->flush_lock);
+}
+
+void image_flush_release(Image *img) {
+        pthread_mutex_unlock(&img->flush_lock);
+}
+
 static void *flusher_thread(void *userdata) {
         Image *img = userdata;
+        int r;
 
         pthread_mutex_lock(&img->lock);
         while (!img->stopping) {
@@ -928,7 +1033,10 @@ static void *flusher_thread(void *userdata) {
                 if (img->dirty_chunks == 0)
                         continue;
                 pthread_mutex_unlock(&img->lock);
-                if (image_flush(img) < 0) {
+                r = image_flush(img);
+                if (is_full(r) && img->src.make_room)
+                        img->src.make_room(img->src.make_room_data, false);
+                if (r < 0) {
                         /* Do not spin on a persistent failure (a full disk): the next kick or tick retries. */
                         struct timespec pause = { 1, 0 };
 
@@ -989,6 +1097,7 @@ int image_open(const char *name, const char *keyring_path, const ImageSources *s
                 goto out_free;
         img->chunk_size = keyring_chunk_size(img->keyring);
         img->size = keyring_image_size(img->keyring);
+        img->object_max = chunk_object_max_len(img->chunk_size);
         img->n_chunks = chunk_count(img->size, img->chunk_size);
         /* At least a few chunks, so that one read-modify-write never waits for itself. */
         img->ram_limit = ram_limit > (uint64_t) img->chunk_size * 8 ? ram_limit : (uint64_t) img->chunk_size * 8;
@@ -1138,6 +1247,45 @@ int image_pending_uploads(Image *img, uint8_t (**ret_tags)[IMAGE_TAG_LEN], size_
         return 0;
 }
 
+int image_record_tags(Image *img, uint8_t (**ret_tags)[IMAGE_TAG_LEN], size_t *ret_n) {
+        uint8_t (*tags)[IMAGE_TAG_LEN] = NULL;
+        size_t n = 0;
+        bool failed;
+
+        pthread_mutex_lock(&img->lock);
+        if (img->n_records > 0) {
+                tags = malloc(img->n_records * sizeof(*tags));
+                for (uint64_t i = 0; tags && i < img->n_chunks && n < img->n_records; i++)
+                        if (img->present[i])
+                                memcpy(tags[n++], img->records[i].tag, IMAGE_TAG_LEN);
+        }
+        failed = img->n_records > 0 && !tags;
+        pthread_mutex_unlock(&img->lock);
+        if (failed)
+                return -ENOMEM;
+        *ret_tags = tags;
+        *ret_n = n;
+        return 0;
+}
+
+int image_uploads_clear(Image *img) {
+        uint8_t (*tags)[IMAGE_TAG_LEN] = NULL;
+        size_t n = 0;
+        int r;
+
+        r = image_pending_uploads(img, &tags, &n);
+        if (r >= 0 && n > 0)
+                r = image_uploads_done(img, (const uint8_t (*)[IMAGE_TAG_LEN]) tags, n);
+        free(tags);
+        return r;
+}
+
+void image_set_full_waits(Image *img, bool waits) {
+        pthread_mutex_lock(&img->lock);
+        img->full_waits = waits;
+        pthread_mutex_unlock(&img->lock);
+}
+
 int image_changed_reset(Image *img) {
         int r;
 
@@ -1158,6 +1306,12 @@ void image_status(Image *img, ImageStatus *ret) {
         ret->dirty_chunks = img->dirty_chunks;
         ret->flush_error = img->flush_error;
         ret->pack_bytes = img->pack_bytes;
+        ret->dirty_bytes = img->dirty_bytes;
+        for (uint64_t i = 0, seen = 0; i < img->n_chunks && seen < img->dirty_chunks; i++)
+                if (img->chunks[i].dirty) {
+                        seen++;
+                        ret->unreserved_chunks += !img->chunks[i].reserved;
+                }
         pthread_mutex_unlock(&img->lock);
         pthread_mutex_lock(&img->db_lock);
         keyring_state_counts(img->keyring, &ret->changed_chunks, &ret->pending_uploads);

@@ -25,6 +25,10 @@ typedef struct ImageSources {
         Trace *trace;
         const uint8_t *parcel_key;     /* IMAGE_KEY_LEN bytes, wraps chunk keys */
         const uint8_t *secret;         /* IMAGE_KEY_LEN bytes, the convergence secret */
+        /* Called without locks when a write (flush: also flush dirty chunks, which gives back the room they
+         * hold beyond what their objects take) or a flush found no room in the cache (may be NULL). */
+        int (*make_room)(void *userdata, bool flush);
+        void *make_room_data;
 } ImageSources;
 
 typedef struct ImageStatus {
@@ -38,6 +42,8 @@ typedef struct ImageStatus {
         uint64_t pending_uploads;      /* objects the server may not have yet */
         int flush_error;               /* last background flush failure (negative errno) or 0 */
         uint64_t pack_bytes;           /* plaintext in the resume pack (image_preload) */
+        uint64_t dirty_bytes;          /* plaintext of the dirty chunks */
+        uint64_t unreserved_chunks;    /* dirty chunks without room reserved in the cache (see image_open()) */
 } ImageStatus;
 
 typedef struct Image Image;
@@ -47,12 +53,21 @@ typedef struct Image Image;
  * meta table) and loads its records.  Plaintext is kept in RAM up to ram_limit bytes (dirty chunks are
  * pinned; writers wait when dirty chunks fill 3/4 of it).  A background thread flushes dirty chunks when
  * they fill 1/4 of it and every flush_interval_ms.
+ *
+ * Room: a write that makes a chunk dirty first reserves room in the cache for its object
+ * (cache_reserve()), so that a flush never fails for lack of space after the write was acknowledged.
+ * Without room the write fails with -ENOSPC and changes nothing; with image_set_full_waits() it goes
+ * ahead instead (the chunk is dirty without reservation) and writers that the RAM bound holds back wait
+ * for room rather than fail: for the memory image, whose writes are the kernel's writeback of a mapping,
+ * which must not lose them.
  */
 int image_open(const char *name, const char *keyring_path, const ImageSources *sources, uint64_t ram_limit,
                unsigned flush_interval_ms, Image **ret);
 
 /* Stops the background flusher; does not flush (call image_flush() first). */
 Image *image_free(Image *img);
+
+void image_set_full_waits(Image *img, bool waits);
 
 const char *image_name(const Image *img);
 uint64_t image_size(const Image *img);
@@ -96,6 +111,10 @@ int image_preload(Image *img, uint8_t *payload, size_t len);
  */
 int image_flush(Image *img);
 
+/* Hold off every flush of img (its flush lock), e.g. while the cache's pins are replaced. */
+void image_flush_hold(Image *img);
+void image_flush_release(Image *img);
+
 /* The tag of chunk idx, or -ENOENT for a chunk without record (all zeros). */
 int image_chunk_tag(Image *img, uint64_t idx, uint8_t ret_tag[IMAGE_TAG_LEN]);
 
@@ -105,6 +124,12 @@ int image_uploads_done(Image *img, const uint8_t (*tags)[IMAGE_TAG_LEN], size_t 
 
 /* Every pending upload's tag (malloc()ed; NULL when there is none), for the cache's pins. */
 int image_pending_uploads(Image *img, uint8_t (**ret_tags)[IMAGE_TAG_LEN], size_t *ret_n);
+
+/* Every record's tag (malloc()ed; NULL when there is none): what a disconnected session must keep. */
+int image_record_tags(Image *img, uint8_t (**ret_tags)[IMAGE_TAG_LEN], size_t *ret_n);
+
+/* After a checkin: the server has every object the keyring names; forget and unpin every pending upload. */
+int image_uploads_clear(Image *img);
 
 /* Forget which chunks changed: the current keyring is now the base version (after a checkin). */
 int image_changed_reset(Image *img);

@@ -338,12 +338,32 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
                 fuse_reply_write(req, (size_t) r);
 }
 
+static bool no_room(int r) {
+        return r == -ENOSPC || r == -EDQUOT;
+}
+
+/*
+ * image_flush() for fsync and close.  QEMU takes a failed flush of a file it uses through the page cache
+ * as final: every later flush fails too, so a VM paused on it could never go on.  Writes reserve room in
+ * the cache before they are acknowledged, so a flush of the disk finds none only if another process took
+ * the space meanwhile: it waits for room (the writes that need some fail with ENOSPC meanwhile, which
+ * pauses the VM).  A flush of the memory image (isrctl's fsync at a suspend) says ENOSPC.
+ */
 static int flush_file(fuse_req_t req, fuse_ino_t ino) {
-        int file = file_of(ino);
+        int file = file_of(ino), r;
 
         if (file < 0 || file == FILE_STATS)
                 return file < 0 ? file : 0;
-        return image_flush(image_of(req, file)) < 0 ? -EIO : 0;
+        r = image_flush(image_of(req, file));
+        for (bool warned = false; file == FILE_DISK && no_room(r) && !fuse_req_interrupted(req); warned = true) {
+                if (!warned)
+                        log_warning("failed to flush the disk image: the cache has no room; waiting for room");
+                sleep(1);
+                r = image_flush(image_of(req, file));
+        }
+        if (no_room(r))
+                return -ENOSPC;
+        return r < 0 ? -EIO : 0;
 }
 
 static void op_fsync(fuse_req_t req, fuse_ino_t ino, int datasync, struct fuse_file_info *fi) {

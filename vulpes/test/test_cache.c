@@ -309,6 +309,132 @@ static void test_eviction_order_and_pins(void **state) {
                 free(obj[i]);
 }
 
+/* An object of n incompressible bytes (so that it takes about n bytes in the cache). */
+static void make_random_object(uint32_t seed, size_t n, uint8_t **ret, size_t *ret_len, uint8_t tag[CHUNK_TAG_LEN]) {
+        uint8_t *plain = malloc(n), key[CHUNK_KEY_LEN], flags;
+        uint32_t x = seed * 2654435761u + 1;
+
+        for (size_t i = 0; i < n; i++) {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                plain[i] = (uint8_t) x;
+        }
+        *ret = malloc(chunk_object_max_len(n));
+        assert_int_equal(chunk_encode(plain, n, secret, 3, *ret, ret_len, tag, key, &flags), 0);
+        free(plain);
+}
+
+/* Objects first..first+n-1, each of 4096 incompressible bytes, with distinct last-use times. */
+static void put_objects(Cache *c, int first, int n, uint8_t *obj[], size_t len[], uint8_t tag[][CHUNK_TAG_LEN]) {
+        for (int i = first; i < first + n; i++) {
+                make_random_object((uint32_t) i + 1, 4096, &obj[i], &len[i], tag[i]);
+                assert_int_equal(cache_put(c, tag[i], obj[i], len[i], false), 0);
+                usleep(2000);
+        }
+}
+
+/* A put that does not fit under the limit evicts the least recently used objects itself, at once. */
+static void test_put_makes_room_under_the_limit(void **state) {
+        Fixture *f = *state;
+        uint8_t *obj[12], tag[12][CHUNK_TAG_LEN];
+        size_t len[12];
+        CacheStatus st;
+        Cache *c;
+
+        assert_int_equal(cache_open(f->dir, &c), 0);
+        put_objects(c, 0, 4, obj, len, tag);
+        /* Room for about six (whole blocks each): the evictor thread starts too, but the puts do not wait for it. */
+        assert_int_equal(cache_set_limit(c, 6 * 8192), 0);
+        put_objects(c, 4, 8, obj, len, tag);
+        assert_int_equal(cache_status(c, &st), 0);
+        assert_true(st.bytes <= 6 * 8192);
+        assert_true(st.evictions > 0);
+        assert_int_equal(st.refused, 0);
+        assert_false(cache_has(c, tag[0]));
+        assert_true(cache_has(c, tag[11]));
+        assert_true(cache_has(c, tag[10]));
+        cache_free(c);
+        for (int i = 0; i < 12; i++)
+                free(obj[i]);
+}
+
+/*
+ * A hoard (cache_put_keep()) evicts only what was used before it started: older objects make room, then
+ * it is refused with ENOSPC rather than push out what it stored or found (touched) itself.  Pinned objects
+ * and reservations are never given up for it.
+ */
+static void test_hoard_keeps_its_own_and_reservations_hold(void **state) {
+        Fixture *f = *state;
+        uint8_t *obj[16], tag[16][CHUNK_TAG_LEN], *extra, extra_tag[CHUNK_TAG_LEN];
+        size_t len[16], extra_len;
+        int64_t start;
+        CacheStatus st;
+        CacheBatch *b;
+        Cache *c;
+        int stored = 0, r = 0;
+
+        assert_int_equal(cache_open(f->dir, &c), 0);
+        assert_int_equal(cache_set_owner(c, "/state/a"), 0);
+        put_objects(c, 0, 4, obj, len, tag);                     /* 0..3: older than the hoard */
+        assert_int_equal(cache_pin(c, (const uint8_t (*)[CHUNK_TAG_LEN]) tag[3], 1), 0);
+        assert_int_equal(cache_set_limit(c, 10 * 4300), 0);    /* room for ten */
+        start = cache_now_us();
+        cache_touch(c, tag[2]);                                  /* found by the hoard: kept */
+        for (int i = 4; i < 16 && r == 0; i++) {
+                make_random_object((uint32_t) i + 1, 4096, &obj[i], &len[i], tag[i]);
+                r = cache_put_keep(c, tag[i], obj[i], len[i], start);
+                stored += r == 0;
+        }
+        assert_int_equal(r, -ENOSPC);
+        assert_false(cache_has(c, tag[0]));
+        assert_false(cache_has(c, tag[1]));
+        assert_true(cache_has(c, tag[2]));
+        assert_true(cache_has(c, tag[3]));
+        for (int i = 4; i < 4 + stored; i++)
+                assert_true(cache_has(c, tag[i]));
+        assert_int_equal(cache_status(c, &st), 0);
+        assert_true(st.bytes <= 10 * 4300);
+        assert_int_equal(stored, 8);                             /* ten, less the two it kept */
+        assert_int_equal(st.pinned_bytes, len[3]);
+        assert_int_equal(st.own_pinned_bytes, len[3]);
+        assert_true(st.refused > 0);
+
+        /* A reservation takes room from others: a plain put evicts rather than eat into it... */
+        assert_int_equal(cache_set_limit(c, st.bytes + 8192), 0);
+        assert_int_equal(cache_reserve(c, 4096), 0);
+        make_random_object(222, 4096, &extra, &extra_len, extra_tag);
+        assert_int_equal(cache_put(c, extra_tag, extra, extra_len, false), 0);
+        assert_int_equal(cache_status(c, &st), 0);
+        assert_int_equal(st.reserved, 4096);
+        assert_true(st.bytes + st.reserved <= st.limit);
+        /* ... and is spent by the object it was held for (the flush's batch), which needs no more room. */
+        assert_int_equal(cache_pin(c, (const uint8_t (*)[CHUNK_TAG_LEN]) extra_tag, 1), 0);
+        free(extra);
+        make_random_object(223, 4096, &extra, &extra_len, extra_tag);
+        assert_int_equal(cache_batch_new(c, true, &b), 0);
+        assert_int_equal(cache_batch_add_reserved(b, extra_tag, extra, extra_len, 4096), 0);
+        assert_int_equal(cache_batch_commit(b), 0);
+        cache_batch_free(b);
+        assert_int_equal(cache_status(c, &st), 0);
+        assert_int_equal(st.reserved, 0);
+        /* Everything left is pinned or the hoard's own: nothing more can be reserved under the limit. */
+        assert_int_equal(cache_set_limit(c, st.bytes), 0);
+        assert_int_equal(cache_pin(c, (const uint8_t (*)[CHUNK_TAG_LEN]) tag, (size_t) (4 + stored)), 0);
+        assert_int_equal(cache_pin(c, (const uint8_t (*)[CHUNK_TAG_LEN]) extra_tag, 1), 0);
+        assert_int_equal(cache_reserve(c, 4096), -ENOSPC);
+        /* Unpinned, the objects are clean again: a reservation evicts them. */
+        assert_int_equal(cache_pins_replace(c, NULL, 0), 0);
+        assert_int_equal(cache_reserve(c, 4096), 0);
+        cache_unreserve(c, 4096);
+        assert_int_equal(cache_status(c, &st), 0);
+        assert_int_equal(st.reserved, 0);
+        cache_free(c);
+        free(extra);
+        for (int i = 0; i < 4 + stored + 1; i++)
+                free(obj[i]);
+}
+
 int main(void) {
         const struct CMUnitTest tests[] = {
                 cmocka_unit_test_setup_teardown(test_put_get, setup, teardown),
@@ -317,6 +443,8 @@ int main(void) {
                 cmocka_unit_test_setup_teardown(test_batch_visible_only_after_commit, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_index_rebuilt_when_lost_or_damaged, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_eviction_order_and_pins, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_put_makes_room_under_the_limit, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_hoard_keeps_its_own_and_reservations_hold, setup, teardown),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);

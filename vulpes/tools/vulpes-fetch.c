@@ -13,12 +13,18 @@
  * or every copy failed verification) or could not be stored; 2 usage; 75 the server was unreachable for
  * longer than --patience; 128+N stopped by signal N (what was fetched so far is kept).
  *
+ * A full cache: objects this run stored or found are never evicted to make room for the rest (they are
+ * touched, and the batches evict only what was used before the run started).  When the cache has no room
+ * left for the next object, no more requests go out; the last line says "cache_full": true and "stored"
+ * counts exactly the objects that were added, and the exit status is 1.
+ *
  * Threading: the main thread reads the tags, queues requests, commits batches and reports; fetch.c's
  * thread runs the transfers and the completion callback, which writes each object's temporary file.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <getopt.h>
+#include <limits.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -50,7 +56,8 @@ static const char usage_text[] =
         "Fetches chunk objects (64 hex digits a line, from --tags=FILE or standard input) that DIR lacks from\n"
         "the ISR server, verifies each against its tag and stores it in the chunk cache DIR.  Needs no key.\n"
         "Prints JSON lines: start, progress, then done, stopped or error.  With --usage, prints what the cache\n"
-        "holds (one JSON line: objects, bytes, pinned, evictions_total) and fetches nothing.\n"
+        "holds and the room on its file system (one JSON line) and fetches nothing; with --unpin=STATE, drops\n"
+        "every pin of that parcel's state directory (after a checkin: the server has its objects).\n"
         "\n"
         "  --cache=DIR             shared chunk cache (created if missing)\n"
         "  --server=URL            ISR server base URL (https://host:port)\n"
@@ -65,10 +72,13 @@ static const char usage_text[] =
         "                          (default 120; 0: never)\n"
         "  --progress-interval=MS  time between progress lines (default 500)\n"
         "  --usage                 say what the cache holds, from its index, and exit\n"
+        "  --owner=STATE           with --usage: also the bytes pinned by that parcel's state directory\n"
+        "  --unpin=STATE           drop every pin of that parcel's state directory, and exit\n"
         "  --log-level=LEVEL       error, warning, info (default), debug\n";
 
 typedef struct Options {
         const char *cache_dir, *server_url, *token_file, *ca_file, *pinned_key, *tags_path, *cache_limit;
+        const char *owner, *unpin;
         unsigned max_transfers, window, patience_s, progress_ms;
         bool usage;
 } Options;
@@ -91,6 +101,8 @@ struct Run {
         unsigned outstanding;
         uint64_t fetched, bytes, failed, stored;
         int store_error;                /* the first failure to store an object, 0 if none */
+        bool cache_full;                /* no room left for the next object: no more requests */
+        int64_t keep_since;             /* the run's start: its batches evict only what was used before */
 
         size_t tags, cached, wanted;
         struct timespec started, last_report, last_commit;
@@ -126,11 +138,11 @@ static void report(Run *run, const char *event, json_t *extra) {
         json_t *line;
 
         pthread_mutex_lock(&run->lock);
-        line = json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:f}", "event", event,
+        line = json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:b, s:f}", "event", event,
                          "wanted", (json_int_t) run->wanted, "fetched", (json_int_t) run->fetched,
                          "stored", (json_int_t) run->stored, "failed", (json_int_t) run->failed,
                          "bytes", (json_int_t) run->bytes, "outstanding", (json_int_t) run->outstanding,
-                         "seconds", seconds_since(&run->started));
+                         "cache_full", run->cache_full, "seconds", seconds_since(&run->started));
         pthread_mutex_unlock(&run->lock);
         if (line && extra)
                 json_object_update(line, extra);
@@ -153,6 +165,8 @@ static void on_fetched(int result, const uint8_t *object, size_t len, void *user
                 r = cache_batch_add(run->batch, item->tag, object, len);
                 if (r < 0 && !run->store_error)
                         run->store_error = r;
+                if (r == -ENOSPC || r == -EDQUOT)
+                        run->cache_full = true;
         }
         if (r == 0) {
                 run->batch_n++;
@@ -179,6 +193,7 @@ static int batch_commit(Run *run) {
         r = cache_batch_new(run->cache, false, &fresh);
         if (r < 0)
                 return r;
+        cache_batch_keep_since(fresh, run->keep_since);
         pthread_mutex_lock(&run->lock);
         full = run->batch;
         n = run->batch_n;
@@ -194,6 +209,8 @@ static int batch_commit(Run *run) {
                 run->failed += n;
                 if (!run->store_error)
                         run->store_error = r;
+                if (r == -ENOSPC || r == -EDQUOT)
+                        run->cache_full = true;
         } else {
                 run->stored += n;
         }
@@ -329,6 +346,8 @@ static int options_parse(int argc, char **argv, Options *o) {
                 { "progress-interval", required_argument, NULL, 'i' },
                 { "log-level", required_argument, NULL, 'L' },
                 { "usage", no_argument, NULL, 'u' },
+                { "owner", required_argument, NULL, 'o' },
+                { "unpin", required_argument, NULL, 'U' },
                 { "help", no_argument, NULL, 'h' },
                 {},
         };
@@ -346,6 +365,8 @@ static int options_parse(int argc, char **argv, Options *o) {
                 case 'l': o->cache_limit = optarg; break;
                 case 'h': return 1;
                 case 'u': o->usage = true; break;
+                case 'o': o->owner = optarg; break;
+                case 'U': o->unpin = optarg; break;
                 case 'm':
                 case 'w':
                 case 'P':
@@ -376,9 +397,9 @@ static int options_parse(int argc, char **argv, Options *o) {
                 log_error("unexpected argument %s: the tags come from --tags=FILE or standard input", argv[optind]);
                 return -EINVAL;
         }
-        if (o->usage) {
+        if (o->usage || o->unpin) {
                 if (!o->cache_dir) {
-                        log_error("--usage needs --cache=DIR");
+                        log_error("--%s needs --cache=DIR", o->usage ? "usage" : "unpin");
                         return -EINVAL;
                 }
                 return 0;
@@ -405,10 +426,54 @@ static int options_parse(int argc, char **argv, Options *o) {
 
 /* --- main ------------------------------------------------------------------------------------------- */
 
-/* --usage: the cache's own account of itself, so that no other program walks its layout. */
-static int print_usage_of(const char *cache_dir) {
+/* A parcel's pin owner: the real path of its state directory (what vulpes uses, daemon.c). */
+static void owner_name(const char *state_dir, char owner[PATH_MAX]) {
+        if (!realpath(state_dir, owner))
+                snprintf(owner, PATH_MAX, "%s", state_dir);
+}
+
+/*
+ * --usage: the cache's own account of itself, so that no other program walks its layout; with --owner, the
+ * bytes that parcel has pinned (not yet uploaded), and with --cache-limit the room under that limit.
+ */
+static int print_usage_of(const Options *o) {
+        char owner[PATH_MAX];
         Cache *cache = NULL;
         CacheStatus st;
+        int r;
+
+        r = cache_open(o->cache_dir, &cache);
+        if (r < 0) {
+                log_error("failed to open the cache %s: %s", o->cache_dir, strerror(-r));
+                return EXIT_FAILURE;
+        }
+        if (o->owner) {
+                owner_name(o->owner, owner);
+                r = cache_set_owner(cache, owner);
+        }
+        if (r >= 0 && o->cache_limit)
+                r = cache_set_limit(cache, (uint64_t) cache_size_parse(o->cache_limit));
+        if (r >= 0)
+                r = cache_status(cache, &st);
+        cache = cache_free(cache);
+        if (r < 0) {
+                log_error("failed to read the cache index of %s: %s", o->cache_dir, strerror(-r));
+                return EXIT_FAILURE;
+        }
+        emit(json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "event", "usage",
+                       "objects", (json_int_t) st.objects, "bytes", (json_int_t) st.bytes,
+                       "pinned", (json_int_t) st.pinned, "pinned_bytes", (json_int_t) st.pinned_bytes,
+                       "own_pinned_bytes", (json_int_t) st.own_pinned_bytes,
+                       "evictions_total", (json_int_t) st.evictions_total, "limit", (json_int_t) st.limit,
+                       "fs_free", (json_int_t) st.fs_free, "fs_size", (json_int_t) st.fs_size,
+                       "room", (json_int_t) (st.room > INT64_MAX ? INT64_MAX : st.room)));
+        return EXIT_SUCCESS;
+}
+
+/* --unpin: after a checkin the server has every object of that parcel; the cache may evict them. */
+static int unpin_owner(const char *cache_dir, const char *state_dir) {
+        char owner[PATH_MAX], other[PATH_MAX + 16];
+        Cache *cache = NULL;
         int r;
 
         r = cache_open(cache_dir, &cache);
@@ -416,16 +481,13 @@ static int print_usage_of(const char *cache_dir) {
                 log_error("failed to open the cache %s: %s", cache_dir, strerror(-r));
                 return EXIT_FAILURE;
         }
-        r = cache_status(cache, &st);
+        owner_name(state_dir, owner);
+        snprintf(other, sizeof(other), "%s#disconnected", owner);
+        r = cache_pins_replace_owner(cache, owner, NULL, 0);
+        if (r >= 0)
+                r = cache_pins_replace_owner(cache, other, NULL, 0);
         cache = cache_free(cache);
-        if (r < 0) {
-                log_error("failed to read the cache index of %s: %s", cache_dir, strerror(-r));
-                return EXIT_FAILURE;
-        }
-        emit(json_pack("{s:s, s:I, s:I, s:I, s:I}", "event", "usage", "objects", (json_int_t) st.objects,
-                       "bytes", (json_int_t) st.bytes, "pinned", (json_int_t) st.pinned,
-                       "evictions_total", (json_int_t) st.evictions_total));
-        return EXIT_SUCCESS;
+        return r < 0 ? EXIT_FAILURE : EXIT_SUCCESS;
 }
 
 int main(int argc, char **argv) {
@@ -447,7 +509,9 @@ int main(int argc, char **argv) {
                 return r > 0 ? EXIT_SUCCESS : EXIT_USAGE;
         }
         if (o.usage)
-                return print_usage_of(o.cache_dir);
+                return print_usage_of(&o);
+        if (o.unpin)
+                return unpin_owner(o.cache_dir, o.unpin);
         pthread_condattr_init(&cond_attr);
         pthread_condattr_setclock(&cond_attr, CLOCK_MONOTONIC);
         pthread_cond_init(&run.cond, &cond_attr);
@@ -471,16 +535,21 @@ int main(int argc, char **argv) {
                         goto out_cache;
                 }
         }
+        run.keep_since = cache_now_us();
         r = cache_batch_new(run.cache, false, &run.batch);
         if (r < 0)
                 goto out_cache;
-        /* Skip what is cached; the rest, in the given order (a working set comes first touch first). */
+        cache_batch_keep_since(run.batch, run.keep_since);
+        /* Skip what is cached (and keep it: used now); the rest, in the given order (a working set comes
+         * first touch first). */
         run.tags = n;
         for (size_t i = 0; i < n; i++) {
-                if (cache_has(run.cache, items[i].tag))
+                if (cache_has(run.cache, items[i].tag)) {
+                        cache_touch(run.cache, items[i].tag);
                         run.cached++;
-                else
+                } else {
                         items[run.wanted++] = items[i];
+                }
         }
         emit(json_pack("{s:s, s:I, s:I, s:I}", "event", "start", "tags", (json_int_t) run.tags,
                        "cached", (json_int_t) run.cached, "wanted", (json_int_t) run.wanted));
@@ -497,9 +566,18 @@ int main(int argc, char **argv) {
         run.last_report = run.last_commit = run.started;
 
         for (size_t i = 0; i < run.wanted && r >= 0; i++) {
+                bool full;
+
                 r = wait_outstanding(&run, o.window - 1, o.patience_s);
                 if (r < 0)
                         break;
+                pthread_mutex_lock(&run.lock);
+                full = run.cache_full;
+                pthread_mutex_unlock(&run.lock);
+                if (full) {
+                        log_error("failed to hoard every chunk: the cache %s has no room left", o.cache_dir);
+                        break;
+                }
                 pthread_mutex_lock(&run.lock);
                 run.outstanding++;
                 pthread_mutex_unlock(&run.lock);
