@@ -32,10 +32,10 @@ from parcels.store import KEYRING_FILES, MANIFEST
 
 from . import paths, workingset
 from .checkout import Client, lock_broken_message
-from .errors import CheckinError, LockBroken, LockNotReleased, StateError
+from .errors import CheckinError, LockBroken, LockNotReleased, StateError, VulpesFailure
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, Checkout, LocalChange, ParcelState
 from .remote import ChunksMissing, LockLost, Remote, RemoteError, VersionConflict
-from .vulpes import cache_object_path
+from .vulpes import cache_object_path, release_pins
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +240,11 @@ def checkin(client: Client, state: ParcelState, parcel_keys: ParcelKeys, *, keep
     new_version = int(record["version"])
     state.accept_local_as_base(manifest_sealed=sealed[MANIFEST], streams=changes.streams,
                                devstate_sealed=devstate_sealed)
+    try:
+        # The server has every object of the version now: a full cache may drop them.
+        release_pins(paths.chunk_cache_dir(), state.dir)
+    except VulpesFailure as exc:
+        log.warning("the cache keeps %s's objects pinned until its next resume: %s", checkout.name, exc)
     checkout.version = new_version
     if keep_lock:
         state.save_checkout(checkout)

@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("resume", cmd_resume, "run the parcel's VM here (Ctrl-C suspends)",
             "Take the lock, fetch what the policy needs, and resume the VM exactly where it was suspended\n"
             "(or boot it if it was powered off). Runs until suspended: Ctrl-C, `isr suspend`, or the guest\n"
-            "powering off. With --detach it returns once the guest runs.", )
+            "powering off. With --detach it returns once the guest runs. Of a VM that is running here and\n"
+            "paused because the chunk cache was full: continue it (after space was freed).", )
     p.add_argument("parcel", help="parcel name or UUID")
     p.add_argument("--policy", default=policymod.DEFAULT, choices=list(policymod.POLICIES),
                    help=f"state-transfer policy (default {policymod.DEFAULT}; see `isr --help`)")
@@ -139,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: the only one here)")
     credentials(p)
 
-    p = cmd("sync", cmd_sync, "upload local changes as a new version and keep the lock")
+    p = cmd("sync", cmd_sync, "upload local changes as a new version and keep the lock",
+            "Upload local changes as a new version and keep the lock. Of a VM running here: upload the chunks\n"
+            "it wrote, so that a full chunk cache may drop them (its suspend commits the version).")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: the only one here)")
     credentials(p)
 

@@ -1,7 +1,8 @@
 """A running session's control socket: the server side in the session, the client side in `isr`.
 
 The protocol is JSON lines on a Unix socket in the session's runtime directory (mode 0600). A request is
-``{"op": "status"}``, ``{"op": "suspend", "checkin": true}`` or ``{"op": "poweroff", "checkin": ...}``;
+``{"op": "status"}``, ``{"op": "suspend", "checkin": true}``, ``{"op": "poweroff", "checkin": ...}``,
+``{"op": "continue"}`` (go on after a pause for lack of room) or ``{"op": "sync"}`` (upload what is dirty);
 progress streams back as the reporter's JSON messages (`progress.JsonReporter`), and the answer ends the
 exchange: ``{"ok": true, "result"|"status": {...}}`` or ``{"ok": false, "error": "...", "kind": ...}``.
 """
@@ -28,9 +29,9 @@ CONTROL_SOCKET = "session.sock"
 
 @dataclass
 class Request:
-    """One suspend or poweroff asked of a session, handed from the control thread to its main thread."""
+    """One request asked of a session, handed from the control thread to its main thread."""
 
-    op: str                      # "suspend", "poweroff"
+    op: str                      # "suspend", "poweroff", "continue", "sync"
     checkin: bool
     reporter: Reporter
     done: threading.Event = field(default_factory=threading.Event)
@@ -41,9 +42,9 @@ class Request:
 
 
 class ControlServer:
-    """The session's control socket: JSON lines. ``status`` is answered at once; ``suspend`` and
-    ``poweroff`` are handed to the session's main thread, whose progress streams back on the same
-    connection, ending with ``{"ok": ..., "result"|"error": ...}``."""
+    """The session's control socket: JSON lines. ``status`` is answered at once; the other requests are
+    handed to the session's main thread, whose progress streams back on the same connection, ending with
+    ``{"ok": ..., "result"|"error": ...}``."""
 
     def __init__(self, path: Path, *, status: Callable[[], dict[str, Any]],
                  submit: Callable[[Request], None]) -> None:
@@ -80,7 +81,7 @@ class ControlServer:
                         continue
                     if op == "status":
                         write(json.dumps({"ok": True, "status": self.status()}) + "\n")
-                    elif op in ("suspend", "poweroff"):
+                    elif op in ("suspend", "poweroff", "continue", "sync"):
                         req = Request(op, bool(request.get("checkin", True)), JsonReporter(write))
                         self.submit(req)
                         req.done.wait()

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from isrprogress import JsonReporter, Replayer, Reporter, TerminalReporter
@@ -55,6 +56,28 @@ def process_alive(pid: int) -> bool:
         return True
 
 
+class _LogRelay:
+    """What a running session says (its messages, not its log records) goes to its log; `isr resume` in the
+    foreground passes it on as it comes, so that its user learns at once that the VM paused (a full cache)."""
+
+    def __init__(self, path: Path, offset: int) -> None:
+        self.path = path
+        self.offset = offset
+
+    def say_new(self, reporter: Reporter) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        complete = data[:data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            if line and not line[:4].isdigit():      # its messages, not its log records
+                reporter.say(line)
+
+
 def run_foreground(options: SessionOptions, parcel_keys: ParcelKeys, reporter: Reporter) -> int:
     """`isr resume` without --detach: the session runs until the VM ends; Ctrl-C (SIGINT), SIGTERM or a
     closed terminal (SIGHUP) suspend it.
@@ -73,6 +96,7 @@ def run_foreground(options: SessionOptions, parcel_keys: ParcelKeys, reporter: R
     except OSError:
         log_offset = 0
     reporter.say("running; Ctrl-C or `isr suspend` suspends it")
+    relay = _LogRelay(log_path, log_offset)
     wanted: list[int] = []
 
     def interrupted(signum: int, frame: object) -> None:
@@ -83,6 +107,8 @@ def run_foreground(options: SessionOptions, parcel_keys: ParcelKeys, reporter: R
     try:
         asked = False
         while process_alive(pid):
+            if not asked:
+                relay.say_new(reporter)
             if wanted and not asked:
                 asked = True
                 reporter.say("suspending")
@@ -100,13 +126,8 @@ def run_foreground(options: SessionOptions, parcel_keys: ParcelKeys, reporter: R
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if not asked:
-        # The session ended by itself (the guest powered off, or QEMU or vulpes died): show what it said.
-        with contextlib.suppress(OSError):
-            with open(log_path, errors="replace") as f:
-                f.seek(log_offset)
-                for line in f.read().splitlines():
-                    if not line[:4].isdigit():      # its messages, not its log records
-                        reporter.say(line)
+        # The session ended by itself (the guest powered off, or QEMU or vulpes died): the rest of what it said.
+        relay.say_new(reporter)
     change = state.effective_local_change()
     return 1 if change is not None and change.state == DAMAGED else 0
 

@@ -32,11 +32,11 @@ from isrprogress import NullReporter, Reporter, human_bytes
 from parcels import resumepack
 from parcels.store import KEYRING_FILES, MANIFEST
 
-from . import paths
+from . import paths, room
 from .checkout import Client, link_file
 from .errors import HoardStopped, IsrError, StateError
 from .localstate import ParcelState, write_file
-from .vulpes import ChunkFetch, cache_object_path
+from .vulpes import ChunkFetch, cache_object_path, cache_usage
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class Need:
     chunk_count: int                              # chunks in the set, present or not
     blobs: dict[str, int] = field(default_factory=dict)   # sealed blobs to download: name -> size
     links: dict[str, Path] = field(default_factory=dict)  # blobs here under an older version's name
+    kept_bytes: int = 0                           # stored bytes of the set's chunks the cache has already
 
     @property
     def bytes(self) -> int:
@@ -109,6 +110,7 @@ def need(client: Client, parcel: dict[str, Any], mode: str) -> Need:
     wanted = Need(parcel=parcel["id"], name=parcel["name"], version=version, working_set=working,
                   chunks=[(tag, size) for tag, size in chunks if not cache_object_path(cache, tag).is_file()],
                   chunk_count=len(chunks))
+    wanted.kept_bytes = sum(size for _, size in chunks) - sum(size for _, size in wanted.chunks)
     records = {int(v["version"]): v for v in info.get("versions", [])}
     state = ParcelState(parcel["id"])
     for blob in records.get(version, {}).get("blobs", []):
@@ -138,6 +140,11 @@ def hoard(client: Client, parcel: dict[str, Any], mode: str, reporter: Reporter 
     reporter.say(f"hoarding {what} of {wanted.name} version {wanted.version} without the key: "
                  f"{len(wanted.chunks)} of {wanted.chunk_count} chunks and {len(wanted.blobs)} boot files missing "
                  f"({human_bytes(wanted.bytes)})")
+    warning = room.shortfall(cache_usage(paths.chunk_cache_dir(), limit=client.config.cache_limit),
+                             sum(size for _, size in wanted.chunks), f"hoarding {wanted.name}",
+                             "the hoard stops when the cache is full", kept=wanted.kept_bytes)
+    if warning:
+        reporter.say(warning)
     started = time.monotonic()
     fetched = 0
     for name, source in wanted.links.items():

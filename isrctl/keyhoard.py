@@ -19,11 +19,11 @@ from parcels.manifest import IMAGES, open_keyring, open_manifest
 from parcels.parcel import ParcelKeys
 from parcels.store import KEYRING_FILES
 
-from . import paths, workingset
+from . import paths, room, workingset
 from .checkout import Client
 from .errors import StateError
 from .localstate import POWEROFF, SUSPENDED, ParcelState
-from .vulpes import Vulpes
+from .vulpes import CacheUsage, Vulpes
 
 
 def hoard_with_key(client: Client, parcel: dict[str, Any], state: ParcelState, parcel_keys: ParcelKeys, *,
@@ -66,14 +66,17 @@ def hoard_with_key(client: Client, parcel: dict[str, Any], state: ParcelState, p
     what = "the working set" if working_set_only else "everything"
     reporter.say(f"hoarding {what} of {parcel['name']} version {manifest.version}")
     try:
-        _run(hoard_dir, state, parcel_keys, client, reporter, working_set=working_set if working_set_only else None)
+        _run(hoard_dir, state, parcel_keys, client, reporter, working_set=working_set if working_set_only else None,
+             what=(parcel["name"], manifest.version, manifest.chunk_size))
     finally:
         if hoard_dir != state.dir:
             shutil.rmtree(hoard_dir, ignore_errors=True)
 
 
 def _run(state_dir: Path, state: ParcelState, parcel_keys: ParcelKeys, client: Client, reporter: Reporter, *,
-         working_set: dict[str, list[int]] | None) -> None:
+         working_set: dict[str, list[int]] | None, what: tuple[str, int, int]) -> None:
+    """Hoard with a vulpes on the keyrings in ``state_dir``; ``what`` is the parcel's name, the version and its
+    chunk size. Warns first if the cache has no room for it all; raises CacheFull if it ran out of room."""
     runtime = paths.parcel_runtime_dir(state.parcel)
     paths.chunk_cache_dir().mkdir(parents=True, exist_ok=True)
     daemon = Vulpes(mountpoint=runtime / "hoard-mnt", state_dir=state_dir, cache_dir=paths.chunk_cache_dir(),
@@ -82,6 +85,7 @@ def _run(state_dir: Path, state: ParcelState, parcel_keys: ParcelKeys, client: C
                     cache_limit=client.config.cache_limit)
     daemon.start(parcel_keys)
     try:
+        _warn_if_no_room(daemon, client, state, state_dir, working_set, what, reporter)
         if working_set is None:
             daemon.hoard_and_wait(reporter, "hoarding", everything=True)
         else:
@@ -89,3 +93,19 @@ def _run(state_dir: Path, state: ParcelState, parcel_keys: ParcelKeys, client: C
                                   memory=working_set.get("memory", []))
     finally:
         daemon.stop()
+
+
+def _warn_if_no_room(daemon: Vulpes, client: Client, state: ParcelState, state_dir: Path,
+                     working_set: dict[str, list[int]] | None, what: tuple[str, int, int], reporter: Reporter) -> None:
+    name, version, chunk_size = what
+    wanted = []
+    for image in IMAGES:
+        with Keyring.open(state_dir / f"keyring.{image}") as keyring:
+            records = list(keyring)
+        wanted += records if working_set is None else workingset.select(records, working_set.get(image, []))
+    usage = CacheUsage.from_status(daemon.status()["cache"])
+    missing, kept = room.missing_tags(paths.chunk_cache_dir(), wanted)
+    need = room.expected_bytes(client.remote, state.parcel, version, missing, chunk_size, usage.room - kept)
+    warning = room.shortfall(usage, need, f"hoarding {name}", "the hoard stops when the cache is full", kept=kept)
+    if warning:
+        reporter.say(warning)

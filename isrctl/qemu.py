@@ -131,8 +131,10 @@ class VMConfig:
         if self.cmdline is not None:
             args += ["-append", self.cmdline]
         if self.disk is not None:
+            # A write refused for lack of room (vulpes's cache is full) pauses the VM, and QEMU retries it
+            # on `cont`; any other error is the guest's to see.
             drive = (f"file={_qemu_opt(str(self.disk))},format={self.disk_format},if=none,id=disk0,"
-                     f"cache={self.disk_cache},aio={self.disk_aio}")
+                     f"cache={self.disk_cache},aio={self.disk_aio},werror=enospc,rerror=report")
             if self.disk_readonly:
                 drive += ",readonly=on"
             args += ["-drive", drive, "-device", "virtio-blk-pci,drive=disk0"]
@@ -356,6 +358,11 @@ class VM:
         """Resume the guest's CPUs."""
         self.qmp("cont")
 
+    def paused_for_space(self) -> bool:
+        """Whether QEMU stopped the guest because a disk write found no space (run state ``io-error``:
+        with ``werror=enospc`` only ENOSPC stops it); `cont` retries the write."""
+        return self.query_status() == "io-error"
+
     # --- saving and loading the state --------------------------------------------------------------
 
     def save_state(self, target: os.PathLike[str] | str, *, compress: bool = True,
@@ -437,13 +444,13 @@ class VM:
         self._incoming = False
         return MigrationStats(seconds=seconds, stream_bytes=_stream_bytes(info), info=info)
 
-    def save_state_bytes(self, *, timeout: float = 600.0) -> tuple[bytes, MigrationStats]:
+    def save_state_bytes(self, *, timeout: float = 600.0, sync: bool = True) -> tuple[bytes, MigrationStats]:
         """Stop the guest and return its whole state (devices, and RAM unless RAM is in a shared file).
 
         The stream goes through a pipe handed to QEMU, straight into this process's memory: unlike
         `save_state` to a file, no plaintext VM state ever touches a disk. The caller seals it. With RAM
         in a shared file (``memory_file``) the stream is small (device state only, ~0.1-1 MB); that file
-        is fsynced here, since QEMU does not make it durable.
+        is fsynced here (unless ``sync`` is false: the caller does it), since QEMU does not make it durable.
         """
         if self.query_status() == "running":
             self.stop()
@@ -482,7 +489,7 @@ class VM:
                 os.close(read_end)
         if failure:
             raise MigrationError(f"reading the state stream failed: {failure[0]}")
-        if self.config.memory_file is not None:
+        if sync and self.config.memory_file is not None:
             fsync_path(self.config.memory_file)
         data = b"".join(chunks)
         return data, MigrationStats(seconds=seconds, stream_bytes=_stream_bytes(info), file_bytes=None, info=info)

@@ -15,9 +15,15 @@
    is only the device state and RAM is fetched lazily, chunk by chunk), a VNC display and a serial console;
    it loads the saved device state (through a pipe: plaintext state never touches a disk) or boots cold;
 6. serves until the VM is suspended or powered off: a control socket (``isr suspend``, ``isr poweroff``,
-   ``isr stat``), a console socket relaying the serial console, lock renewals, and a watch on QEMU and
-   vulpes (if one is killed, the local state is marked damaged and the lock kept: `isr discard` goes
-   back to the last version).
+   ``isr stat``, ``isr sync``, ``isr resume`` of a paused VM), a console socket relaying the serial console,
+   lock renewals, and a watch on QEMU and vulpes (if one is killed, the local state is marked damaged and
+   the lock kept: `isr discard` goes back to the last version).
+
+A full chunk cache pauses the VM: vulpes refuses a disk write it has no room for with ENOSPC (after
+evicting every clean object it may), QEMU stops the guest on it (``werror=enospc``) and retries the write
+on ``cont``; a memory image that cannot be flushed makes the session stop the guest itself. The session
+says so in one line (`room.full_line`), watches for room (space freed, the limit raised, or `isr sync`
+uploading what is dirty so that it can be dropped) and continues the VM then, or when `isr resume` asks.
 
 Suspend: stop the guest, save the device state (sealed at once), make the memory file and every vulpes
 write durable, quit QEMU, record the working set from the trace, and (by default) let vulpes upload the
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import logging
@@ -45,16 +52,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from isrprogress import Reporter
+from isrprogress import Reporter, human_bytes
 from parcels import seal
 from parcels.chunk import chunk_count
 from parcels.durable import fsync_path
 from parcels.errors import ParcelError
-from parcels.keyring import Keyring, encode_stream
+from parcels.keyring import Keyring, KeyringRecord, encode_stream
 from parcels.manifest import IMAGES, Manifest, open_blob, open_manifest, utc_now
 from parcels.parcel import ParcelKeys
 
-from . import compat, pack, paths, workingset
+from . import compat, pack, paths, room, workingset
 from . import config as configmod
 from . import policy as policymod
 from .accel import kvm_works
@@ -67,18 +74,29 @@ from .errors import IsrError, LockBroken, SessionError, StateError, VMError, Vul
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState, write_file
 from .qemu import VM, VMConfig
 from .remote import RemoteError, RemoteUnreachable
-from .vulpes import Vulpes
+from .vulpes import CacheUsage, Vulpes
 
 log = logging.getLogger(__name__)
 
 VNC_SOCKET = "vnc.sock"
 _POLL = 0.2
+#: How often a running session asks QEMU whether the VM is paused for lack of room (or, paused, whether
+#: there is room to go on), and how often it asks vulpes whether the memory image has room.
+_SPACE_POLL = 1.0
+_MEMORY_ROOM_POLL = 5.0
+#: Room (in chunk objects) after which a VM paused for lack of it goes on by itself; `isr resume`: one.
+_ROOM_TO_GO_ON = 8
 #: How long an ending session waits for its control thread to hand the result to the requester.
 _ANSWER_TIMEOUT = 10.0
 _RENEW_DEFAULT = 60.0
 
 
-class SuspendAborted(SessionError):
+class Refused(SessionError):
+    """A request the session cannot do now (continue a VM the cache still has no room for, sync while
+    disconnected); the VM and the session keep running."""
+
+
+class SuspendAborted(Refused):
     """A suspend failed before the state was saved; the VM and the session keep running."""
 
 
@@ -157,6 +175,10 @@ class Session:
         self._running_written = False
         self._acquired_lock = False
         self._next_renew = 0.0
+        #: When the VM was paused because the cache had no room (monotonic), None while it runs.
+        self._full_since: float | None = None
+        self._full_message = ""
+        self._space_checked = self._memory_checked = 0.0
 
     # --- requests from other threads ----------------------------------------------------------------
 
@@ -171,6 +193,9 @@ class Session:
                                 "disconnected": self.options.disconnected, "pid": os.getpid(),
                                 "vnc": self.vnc_text, "running": self.vm is not None and self.vm.is_running(),
                                 "uptime": time.monotonic() - self.started}
+        if self._full_since is not None:
+            info["paused"] = {"why": "cache-full", "since": round(time.monotonic() - self._full_since, 1),
+                              "message": self._full_message}
         if self.vulpes is not None and self.vulpes.alive():
             with contextlib.suppress(IsrError):
                 info["vulpes"] = self.vulpes.status()
@@ -349,6 +374,7 @@ class Session:
                 raise StateError(f"{cover.missing_chunks} of {cover.chunks} chunks of {self.options.name} are not "
                                  f"at this site: a disconnected resume needs a full `isr hoard` first")
             return
+        self._warn_if_no_room(manifest, change, records)
         if pol.hoard_all_first:
             self._hoard_and_wait(everything=True, label="hoarding everything (baseline)")
         elif pol.expects_hoard == "all":
@@ -364,6 +390,32 @@ class Session:
             cover = workingset.coverage(cache, wanted)
             self.reporter.say(f"  working set: {cover.cached} of {cover.chunks} chunks hoarded ahead of time"
                               + ("" if cover.complete else f"; {cover.missing_chunks} are fetched on demand"))
+
+    def _warn_if_no_room(self, manifest: Manifest, change: LocalChange | None,
+                         records: dict[str, list[KeyringRecord]]) -> None:
+        """Warn before the VM starts if what the policy is expected to fetch (everything, or the working set,
+        and for the streaming policies the whole disk) does not fit in the room the cache has."""
+        assert self.vulpes is not None
+        pol = self.policy
+        if pol.hoard_all_first or pol.expects_hoard == "all":
+            wanted = records["disk"] + records["memory"]
+        else:
+            counts = {image: chunk_count(manifest.chunk_size, manifest.images[image].size) for image in IMAGES}
+            recorded: object = manifest.working_set
+            if change is not None and change.state in (SUSPENDED, POWEROFF):
+                recorded = change.working_set
+            ws, _ = workingset.checked(recorded, counts)
+            wanted = workingset.select(records["memory"], ws["memory"])
+            wanted += records["disk"] if pol.stream_when_idle else workingset.select(records["disk"], ws["disk"])
+        usage = CacheUsage.from_status(self.vulpes.status()["cache"])
+        missing, kept = room.missing_tags(paths.chunk_cache_dir(), wanted)
+        need = room.expected_bytes(self.client.remote if self.client else None, self.options.parcel,
+                                   self.base_version, missing, manifest.chunk_size, usage.room - kept)
+        warning = room.shortfall(usage, need, f"resuming {self.options.name} with policy {pol.name}",
+                                 "the VM pauses when the cache is full", kept=kept)
+        if warning:
+            log.warning("%s", warning)
+            self.reporter.say(warning)
 
     def _apply_policy_after(self, manifest: Manifest, change: LocalChange | None) -> None:
         assert self.vulpes is not None
@@ -609,6 +661,7 @@ class Session:
                     else:
                         self._crashed(f"QEMU exited with code {code}" + (" (killed)" if code < 0 else ""))
                 else:
+                    self._watch_space()
                     self._renew()
         finally:
             self._close_common()
@@ -617,13 +670,17 @@ class Session:
 
     def _handle(self, request: Request) -> None:
         try:
-            if request.op == "suspend":
+            if request.op == "continue":
+                request.result = self._continue(request.reporter)
+            elif request.op == "sync":
+                request.result = self._sync(request.reporter)
+            elif request.op == "suspend":
                 request.result = self._end(SUSPENDED, request.checkin and not self.options.disconnected,
                                            request.reporter, quit_vm=True)
             else:
                 request.result = self._end(POWEROFF, request.checkin and not self.options.disconnected,
                                            request.reporter, quit_vm=True)
-        except SuspendAborted as exc:
+        except Refused as exc:
             request.error = str(exc)
             request.kind = type(exc).__name__
         except IsrError as exc:
@@ -636,6 +693,97 @@ class Session:
             self.exit_code = 1
         finally:
             request.done.set()
+
+    # --- a full cache ---------------------------------------------------------------------------------
+
+    def _watch_space(self) -> None:
+        """Once a second: notice a VM paused because the cache had no room for a disk write (QEMU stopped it),
+        or stop it when vulpes cannot flush the memory image for lack of room; while it is paused, go on
+        when there is room again."""
+        assert self.vm is not None and self.vulpes is not None
+        now = time.monotonic()
+        if now < self._space_checked + _SPACE_POLL:
+            return
+        self._space_checked = now
+        try:
+            if self._full_since is not None:
+                self._go_on_if_room(_ROOM_TO_GO_ON, self.reporter)
+            elif self.vm.paused_for_space():
+                self._paused_for_space()
+            elif now >= self._memory_checked + _MEMORY_ROOM_POLL:
+                self._memory_checked = now
+                if _memory_has_no_room(self.vulpes.status()):
+                    self.vm.stop()
+                    self._paused_for_space()
+        except IsrError as exc:
+            log.warning("cannot look at the room in the chunk cache: %s", exc)
+
+    def _paused_for_space(self) -> None:
+        """The VM is paused for lack of room: say so, once, with the figures after what can be reclaimed."""
+        assert self.vulpes is not None
+        self._full_since = time.monotonic()
+        status = self.vulpes.reclaim()
+        self._full_message = room.full_line(self.options.name, CacheUsage.from_status(status["cache"]),
+                                       _dirty_bytes(status), disconnected=self.options.disconnected)
+        log.warning("%s", self._full_message)
+        self.reporter.say(self._full_message)
+
+    def _go_on_if_room(self, chunks: int, reporter: Reporter) -> bool:
+        """Continue the VM paused for lack of room if the cache has room for ``chunks`` chunk objects and
+        every acknowledged write can be made durable; True if it runs (again)."""
+        assert self.vm is not None and self.vulpes is not None
+        if self.vm.query_status() == "running":       # continued by someone else
+            self._full_since = None
+            return True
+        status = self.vulpes.status()
+        chunk = int(status["images"]["disk"]["chunk_size"])
+        if int(status["cache"]["room"]) < chunks * chunk:
+            return False
+        status = self.vulpes.reclaim()
+        if _memory_has_no_room(status) or _flush_found_no_room(status):
+            return False
+        self.vm.cont()
+        self._full_since = None
+        usage = CacheUsage.from_status(status["cache"])
+        reporter.say(f"{self.options.name} continues: the chunk cache has room again ({human_bytes(usage.room)})")
+        return True
+
+    def _continue(self, reporter: Reporter) -> dict[str, Any]:
+        """`isr resume` of a running session: continue a VM paused for lack of room, with the cache limit
+        read again from the configuration (the user may have raised it). Raises Refused if it cannot."""
+        assert self.vm is not None and self.vulpes is not None
+        if self._full_since is None and not self.vm.paused_for_space():
+            raise Refused(f"{self.options.name} is already running at this site (session pid {os.getpid()}): "
+                          f"`isr suspend {self.options.name}` first")
+        if self._full_since is None:
+            self._paused_for_space()
+        limit = configmod.load().cache_limit
+        self.vulpes.set_cache_limit(limit)
+        if not self._go_on_if_room(1, reporter):
+            status = self.vulpes.status()
+            self._full_message = room.full_line(self.options.name, CacheUsage.from_status(status["cache"]),
+                                           _dirty_bytes(status), disconnected=self.options.disconnected)
+            raise Refused(f"the chunk cache still has no room: {self._full_message}")
+        return {"name": self.options.name, "continued": True}
+
+    def _sync(self, reporter: Reporter) -> dict[str, Any]:
+        """`isr sync` of a running session: upload every chunk object the server lacks, so that the cache
+        may drop them (a paused VM then goes on if that made room). The version is not committed: that is
+        the suspend's checkin."""
+        assert self.vulpes is not None
+        if self.options.disconnected:
+            raise Refused(f"{self.options.name} runs disconnected: nothing can be uploaded until `isr checkin`")
+        if not self._server_answers():
+            raise Refused("the server does not answer: nothing was uploaded")
+        status = self.vulpes.status()
+        before = _dirty_bytes(status)
+        self._vulpes_upload(reporter)
+        status = self.vulpes.reclaim()
+        result = {"name": self.options.name, "uploaded_bytes": max(0, before - _dirty_bytes(status)),
+                  "room": int(status["cache"]["room"])}
+        if self._full_since is not None:
+            result["continued"] = self._go_on_if_room(1, reporter)
+        return result
 
     def _crashed(self, why: str) -> None:
         """QEMU or vulpes died under the VM: stop the rest, mark the local state damaged, keep the lock."""
@@ -664,18 +812,24 @@ class Session:
                 self.vm.stop()
                 with contextlib.suppress(IsrError):
                     self.vulpes.trace_stop()
-                data, stats = self.vm.save_state_bytes()
+                data, stats = self.vm.save_state_bytes(sync=False)
                 payload_digest = hashlib.sha256(data).hexdigest()
                 sealed = seal.seal(self.keys.parcel_key, seal.KIND_DEVSTATE, data)
                 size = len(data)
                 del data
                 write_file(self.state.local_devstate_path(), sealed)
                 t = _lap(phases, "save device state", t)
-                fsync_path(self.vulpes.disk)
-                self.vulpes.flush()
+                self._make_durable(checkin, reporter)
                 t = _lap(phases, "flush", t)
             except (IsrError, OSError) as exc:
                 self._carry_on_after_failed_suspend()
+                if _no_room_error(exc):
+                    status = self.vulpes.status()
+                    usage = CacheUsage.from_status(status["cache"])
+                    raise SuspendAborted(f"the chunk cache has no room to make the VM's state durable "
+                                         f"({human_bytes(_dirty_bytes(status))} of {self.options.name} not yet "
+                                         f"uploaded): {usage.what_to_do()}, then suspend again; the VM stays "
+                                         f"here") from None
                 raise SuspendAborted(f"the suspend failed ({exc}); the VM keeps running here. If the guest waits "
                                      f"for chunks from an unreachable server, suspend again when it is back") \
                     from None
@@ -733,13 +887,36 @@ class Session:
         result["phases"] = {k: round(v, 3) for k, v in phases.items()}
         return result
 
+    def _make_durable(self, checkin: bool, reporter: Reporter) -> None:
+        """Make the guest's RAM (the memory image, written back through QEMU's mapping) and every write vulpes
+        acknowledged durable. If the cache has no room for them and a checkin follows anyway, what is not
+        uploaded yet goes to the server first, so that the cache may drop it."""
+        assert self.vm is not None and self.vulpes is not None
+        try:
+            if self.vm.config.memory_file is not None:
+                fsync_path(self.vm.config.memory_file)
+            fsync_path(self.vulpes.disk)
+            self.vulpes.flush()
+            return
+        except (IsrError, OSError) as exc:
+            if not (_no_room_error(exc) and checkin and not self.options.disconnected and self._server_answers()):
+                raise
+        reporter.say("  the chunk cache is full: uploading what is not on the server yet, to make room")
+        self.vulpes.upload()
+        if self.vm.config.memory_file is not None:
+            fsync_path(self.vm.config.memory_file)
+        fsync_path(self.vulpes.disk)
+        self.vulpes.flush()
+
     def _carry_on_after_failed_suspend(self) -> None:
-        """Let the guest go on after a suspend that did not save its state (best effort)."""
+        """Let the guest go on after a suspend that did not save its state (best effort); a VM that was
+        paused for lack of room stays paused."""
         assert self.vm is not None and self.vulpes is not None
         with contextlib.suppress(FileNotFoundError):
             self.state.local_devstate_path().unlink()
         with contextlib.suppress(IsrError):
-            if self.vm.is_running() and self.vm.query_status() in ("paused", "postmigrate"):
+            if self.vm.is_running() and self.vm.query_status() in ("paused", "postmigrate") \
+                    and self._full_since is None:
                 self.vm.cont()
         if self.trace_path is not None:
             with contextlib.suppress(IsrError):
@@ -853,6 +1030,34 @@ class Session:
                                f"`isr checkin {self.options.name}` when it is back") from None
         self.base_version = version
         return {"version": version, "checkin_seconds": round(time.monotonic() - started, 3)}
+
+
+def _dirty_bytes(status: dict[str, Any]) -> int:
+    """What of the parcel exists only here: objects not uploaded yet, and dirty chunks in vulpes's RAM."""
+    return int(status["cache"].get("own_pinned_bytes", 0)) + \
+        sum(int(status["images"][i].get("dirty_bytes", 0)) for i in IMAGES)
+
+
+def _no_room(error: int) -> bool:
+    return -error in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _no_room_error(exc: BaseException) -> bool:
+    """Whether a failure to make something durable was for lack of room in the cache."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return os.strerror(errno.ENOSPC) in str(exc)
+
+
+def _flush_found_no_room(status: dict[str, Any]) -> bool:
+    return any(_no_room(int(status["images"][i].get("flush_error", 0))) for i in IMAGES)
+
+
+def _memory_has_no_room(status: dict[str, Any]) -> bool:
+    """Whether the guest's RAM has writes vulpes could not reserve room for, or cannot flush: the VM must
+    not run on (its memory image's writes would wait, and they come from the kernel's writeback)."""
+    memory = status["images"]["memory"]
+    return int(memory.get("unreserved_chunks", 0)) > 0 or _flush_found_no_room(status)
 
 
 def _lap(phases: dict[str, float], name: str, since: float) -> float:

@@ -13,7 +13,7 @@ from . import checkin as checkinmod
 from . import control, paths, workingset
 from .errors import IsrError
 from .localstate import RUNNING, ParcelState
-from .vulpes import cache_object_path
+from .vulpes import cache_object_path, cache_usage
 
 
 def parcel_status(state: ParcelState) -> dict[str, Any]:
@@ -54,6 +54,11 @@ def parcel_status(state: ParcelState) -> dict[str, Any]:
                     p.stat().st_size for r in local_records if (p := cache_object_path(cache, r.tag)).is_file())
         info["hoard"] = {"version": checkout.version, "chunks": base_total, "cached": base_cached,
                          "fraction": round(base_cached / base_total, 4) if base_total else 1.0}
+        # What of it exists only here: objects the server does not have yet (and a running VM's dirty RAM).
+        dirty = cache_usage(cache, owner=state.dir).own_pinned_bytes
+        vulpes = info.get("session_status", {}).get("vulpes") or {}
+        dirty += sum(int(vulpes.get("images", {}).get(i, {}).get("dirty_bytes", 0)) for i in IMAGES)
+        info["not_uploaded_bytes"] = dirty
     except (IsrError, ParcelError) as exc:
         info["error"] = str(exc)
     info["images"] = images

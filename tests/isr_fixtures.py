@@ -326,6 +326,15 @@ def sites(env: IsrEnv, root: Path, names: list[str], nets: list[NetSite] | None 
             site.cleanup()
 
 
+def one_line_error(result: subprocess.CompletedProcess[str], *words: str) -> str:
+    """Assert that `isr` failed with exit code 1 and one line on stderr containing every word."""
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    for word in words:
+        assert word in result.stderr, (word, result.stderr)
+    return str(result.stderr)
+
+
 # --- things done in the guest ---------------------------------------------------------------------------------
 
 @dataclass

@@ -17,18 +17,10 @@ from typing import Any
 import pytest
 
 from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
-from tests.isr_fixtures import IsrEnv, Parcel, Site, isr_env, sites  # noqa: F401  (isr_env: pytest fixture)
+from tests.isr_fixtures import (IsrEnv, Parcel, Site, isr_env, one_line_error,  # noqa: F401  (isr_env: fixture)
+                                sites)
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def one_line_error(result, *words: str) -> str:  # type: ignore[no-untyped-def]
-    """Assert that `isr` failed with exit code 1 and one line on stderr containing every word."""
-    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
-    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
-    for word in words:
-        assert word in result.stderr, (word, result.stderr)
-    return str(result.stderr)
 
 
 def test_non_utf8_config_and_token_name_the_file(isr_env: IsrEnv, tmp_path: Path) -> None:

@@ -15,9 +15,10 @@ from typing import Any
 
 from isrprogress import TerminalReporter
 
+from .. import config as configmod
 from .. import keys as keymod
 from ..checkout import Client, lost_lock
-from ..errors import IsrError, StateError
+from ..errors import ConfigError, IsrError, StateError
 from ..localstate import POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState, local_parcels
 
 log = logging.getLogger("isrctl")
@@ -29,6 +30,15 @@ QUICK_TIMEOUT, QUICK_NOTE_AFTER = 10.0, 3.0
 
 def make_reporter(args: argparse.Namespace) -> TerminalReporter:
     return TerminalReporter(quiet=getattr(args, "quiet", False))
+
+
+def cache_limit() -> str:
+    """The chunk cache's limit as configured ("" if none, or not logged in: the commands that only look
+    work without a login)."""
+    try:
+        return configmod.load().cache_limit
+    except ConfigError:
+        return ""
 
 
 def parcel_credential(args: argparse.Namespace, name: str = "") -> keymod.Credential:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import shutil
 
@@ -96,14 +97,15 @@ def cmd_stat(args: argparse.Namespace) -> int:
         elif state.parcel in lost:
             info["stale_lock"] = {**info["lock"], "why": lost[state.parcel]}
             info["lock"] = None
-    usage = cache_usage(paths.chunk_cache_dir())
+    usage = cache_usage(paths.chunk_cache_dir(), limit=common.cache_limit())
     if args.json:
-        print(json.dumps({"parcels": results, "cache": {"dir": str(paths.chunk_cache_dir()), "objects": usage.objects,
-                                                        "bytes": usage.bytes, "pinned": usage.pinned}},
-                         indent=1, default=str))
+        cache = {**dataclasses.asdict(usage), "clean_bytes": usage.clean_bytes}
+        print(json.dumps({"parcels": results, "cache": cache}, indent=1, default=str))
         return 0
-    print(f"cache     {paths.chunk_cache_dir()}: {usage.objects} chunk objects, {human_bytes(usage.bytes)}"
-          + (f" ({usage.pinned} not yet uploaded or pinned)" if usage.pinned else ""))
+    print(f"cache     {usage.dir}: {usage.objects} chunk objects, {human_bytes(usage.bytes)} "
+          f"({human_bytes(usage.clean_bytes)} clean, {human_bytes(usage.pinned_bytes)} not yet uploaded or pinned)")
+    print(f"          room for {human_bytes(usage.room)} more: {human_bytes(usage.fs_free)} free on its file system"
+          + (f", limit {human_bytes(usage.limit)}" if usage.limit else ", no limit"))
     if not results:
         print("no parcel has local state at this site")
     for info in results:
@@ -131,6 +133,8 @@ def cmd_stat(args: argparse.Namespace) -> int:
         if "changed_chunks" in images.get("disk", {}):
             print(f"dirty     {images['disk']['changed_chunks']} disk and {images['memory']['changed_chunks']} memory "
                   f"chunks differ from version {info['version']}")
+        if info.get("not_uploaded_bytes"):
+            print(f"upload    {human_bytes(info['not_uploaded_bytes'])} only at this site (not yet uploaded)")
         if "memory" in images:
             mem = images["memory"]
             stored = mem.get("stored_bytes")
@@ -146,6 +150,8 @@ def cmd_stat(args: argparse.Namespace) -> int:
             print(f"session   running (pid {session['pid']}, policy {session.get('policy')}), resumed in "
                   f"{session.get('resume_seconds')} s")
             print(f"          display vnc {session.get('vnc')}, console {session.get('console')}")
+            if status.get("paused"):
+                print(f"          {status['paused']['message']}")
             vulpes = status.get("vulpes") or {}
             if "hoard" in vulpes:
                 hv = vulpes["hoard"]

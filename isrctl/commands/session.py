@@ -6,6 +6,7 @@ import logging
 import time
 from pathlib import Path
 
+from isrprogress import human_bytes
 from parcels.manifest import IMAGES
 
 from .. import checkin as checkinmod
@@ -15,15 +16,30 @@ from .. import policy as policymod
 from .. import session as sessionmod
 from ..checkout import Client
 from ..errors import IsrError, StateError
-from ..localstate import DAMAGED, POWEROFF, LocalChange
+from ..localstate import DAMAGED, POWEROFF, LocalChange, ParcelState
 from . import common
 
 log = logging.getLogger("isrctl")
 
 
+def running_session(ref: str | None) -> ParcelState | None:
+    """The local state of ``ref`` if a session of it runs at this site (its process holds the state lock)."""
+    try:
+        state = common.local_state(ref, want_session=ref is None)
+    except StateError:
+        return None
+    return state if state.session_info() is not None and state.busy() else None
+
+
 def cmd_resume(args: argparse.Namespace) -> int:
     reporter = common.make_reporter(args)
     policymod.get(args.policy)
+    running = running_session(args.parcel)
+    if running is not None:
+        # The VM may be paused for lack of room in the cache: go on (the session says if it cannot).
+        result = control.request(running, "continue", reporter)
+        reporter.say(f"{result.get('name', args.parcel)} continues")
+        return 0
     common.check_writable(paths.chunk_cache_dir(), "the chunk cache", "XDG_CACHE_HOME")
     common.check_writable(paths.parcels_dir(), "the parcel state directory", "XDG_DATA_HOME")
     if args.disconnected:
@@ -125,4 +141,16 @@ def cmd_checkin(args: argparse.Namespace, keep_lock: bool = False) -> int:
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
+    running = running_session(args.parcel)
+    if running is not None:
+        # A running VM's state cannot be committed (the suspend does that), but what it wrote can go to the
+        # server now, so that the cache may drop it.
+        reporter = common.make_reporter(args)
+        result = control.request(running, "sync", reporter)
+        name = result.get("name", args.parcel)
+        reporter.say(f"uploaded {human_bytes(int(result.get('uploaded_bytes', 0)))} of {name}; the cache has room "
+                     f"for {human_bytes(int(result.get('room', 0)))} now"
+                     + ("; the VM continues" if result.get("continued") else "")
+                     + f" (the version is committed when it is suspended: `isr suspend {name}`)")
+        return 0
     return cmd_checkin(args, keep_lock=True)
