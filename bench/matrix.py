@@ -206,8 +206,8 @@ def touched(traces: Path, answered: float, finished: float) -> dict[str, dict[st
             if phase is None:
                 continue
             offset, length = int(parts[5]), int(parts[6])
-            image = pages.setdefault(parts[1], {"before": set(), "workload": set()})
-            image[phase].update(range(offset // 4096, (offset + length - 1) // 4096 + 1))
+            image_pages = pages.setdefault(parts[1], {"before": set(), "workload": set()})
+            image_pages[phase].update(range(offset // 4096, (offset + length - 1) // 4096 + 1))
     out: dict[str, dict[str, Any]] = {}
     for image, phases in pages.items():
         before = phases["before"]
@@ -415,8 +415,10 @@ def run_isr_group(env: IsrEnv, guest: GuestArtifacts, work: Path, nets: list[Net
             cell.update(status=f"failed: site A: {a['status'].removeprefix('failed: ')}", error=a.get("error"))
         else:
             say(f"{tag}: site B, policy {policy}")
-            cell.update(attempt(f"{tag} {policy}", lambda policy=policy: run_site_b(
-                env, guest, parcel, root / f"B-{policy}", nets[1], servers[1], policy, timeout)))
+            def site_b(policy: str = policy) -> dict[str, Any]:
+                return run_site_b(env, guest, parcel, root / f"B-{policy}", nets[1], servers[1], policy, timeout)
+
+            cell.update(attempt(f"{tag} {policy}", site_b))
             if cell["status"] == "ok":
                 t3 = f"{cell['t3']:.1f} s" if cell.get("t3") is not None else "-"
                 say(f"{tag} {policy}: t3 {t3}, t4 {cell['t4']} s (the guest answered after "
@@ -638,7 +640,7 @@ def policies_for(args: argparse.Namespace, rate: int, ram: int, results: dict[st
 
 def run_matrix(args: argparse.Namespace, guest: GuestArtifacts, work: Path, results: dict[str, Any],
                traces: dict[int, Trace]) -> None:
-    env = start_isr_env(None, work / "isr", guest)  # type: ignore[arg-type]
+    env = start_isr_env(None, work / "isr", guest)
     try:
         with Toxiproxy.start() as toxi, contextlib.ExitStack() as stack:
             origin = stack.enter_context(peer_bench.peer_origin(guest, work / "origin")) if args.peers else None
