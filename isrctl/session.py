@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import functools
 import hashlib
 import logging
@@ -80,12 +79,6 @@ log = logging.getLogger(__name__)
 
 VNC_SOCKET = "vnc.sock"
 _POLL = 0.2
-#: How often a running session asks QEMU whether the VM is paused for lack of room (or, paused, whether
-#: there is room to go on), and how often it asks vulpes whether the memory image has room.
-_SPACE_POLL = 1.0
-_MEMORY_ROOM_POLL = 5.0
-#: Room (in chunk objects) after which a VM paused for lack of it goes on by itself; `isr resume`: one.
-_ROOM_TO_GO_ON = 8
 #: How long an ending session waits for its control thread to hand the result to the requester.
 _ANSWER_TIMEOUT = 10.0
 _RENEW_DEFAULT = 60.0
@@ -175,10 +168,8 @@ class Session:
         self._running_written = False
         self._acquired_lock = False
         self._next_renew = 0.0
-        #: When the VM was paused because the cache had no room (monotonic), None while it runs.
-        self._full_since: float | None = None
-        self._full_message = ""
-        self._space_checked = self._memory_checked = 0.0
+        #: Whether the VM is paused because the chunk cache has no room (`room.FullCache`).
+        self.full = room.FullCache(options.name, disconnected=options.disconnected)
 
     # --- requests from other threads ----------------------------------------------------------------
 
@@ -193,9 +184,9 @@ class Session:
                                 "disconnected": self.options.disconnected, "pid": os.getpid(),
                                 "vnc": self.vnc_text, "running": self.vm is not None and self.vm.is_running(),
                                 "uptime": time.monotonic() - self.started}
-        if self._full_since is not None:
-            info["paused"] = {"why": "cache-full", "since": round(time.monotonic() - self._full_since, 1),
-                              "message": self._full_message}
+        if self.full.since is not None:
+            info["paused"] = {"why": "cache-full", "since": round(time.monotonic() - self.full.since, 1),
+                              "message": self.full.message}
         if self.vulpes is not None and self.vulpes.alive():
             with contextlib.suppress(IsrError):
                 info["vulpes"] = self.vulpes.status()
@@ -661,7 +652,8 @@ class Session:
                     else:
                         self._crashed(f"QEMU exited with code {code}" + (" (killed)" if code < 0 else ""))
                 else:
-                    self._watch_space()
+                    assert self.vm is not None and self.vulpes is not None
+                    self.full.watch(self.vm, self.vulpes, self.reporter)
                     self._renew()
         finally:
             self._close_common()
@@ -694,76 +686,18 @@ class Session:
         finally:
             request.done.set()
 
-    # --- a full cache ---------------------------------------------------------------------------------
-
-    def _watch_space(self) -> None:
-        """Once a second: notice a VM paused because the cache had no room for a disk write (QEMU stopped it),
-        or stop it when vulpes cannot flush the memory image for lack of room; while it is paused, go on
-        when there is room again."""
-        assert self.vm is not None and self.vulpes is not None
-        now = time.monotonic()
-        if now < self._space_checked + _SPACE_POLL:
-            return
-        self._space_checked = now
-        try:
-            if self._full_since is not None:
-                self._go_on_if_room(_ROOM_TO_GO_ON, self.reporter)
-            elif self.vm.paused_for_space():
-                self._paused_for_space()
-            elif now >= self._memory_checked + _MEMORY_ROOM_POLL:
-                self._memory_checked = now
-                if _memory_has_no_room(self.vulpes.status()):
-                    self.vm.stop()
-                    self._paused_for_space()
-        except IsrError as exc:
-            log.warning("cannot look at the room in the chunk cache: %s", exc)
-
-    def _paused_for_space(self) -> None:
-        """The VM is paused for lack of room: say so, once, with the figures after what can be reclaimed."""
-        assert self.vulpes is not None
-        self._full_since = time.monotonic()
-        status = self.vulpes.reclaim()
-        self._full_message = room.full_line(self.options.name, CacheUsage.from_status(status["cache"]),
-                                       _dirty_bytes(status), disconnected=self.options.disconnected)
-        log.warning("%s", self._full_message)
-        self.reporter.say(self._full_message)
-
-    def _go_on_if_room(self, chunks: int, reporter: Reporter) -> bool:
-        """Continue the VM paused for lack of room if the cache has room for ``chunks`` chunk objects and
-        every acknowledged write can be made durable; True if it runs (again)."""
-        assert self.vm is not None and self.vulpes is not None
-        if self.vm.query_status() == "running":       # continued by someone else
-            self._full_since = None
-            return True
-        status = self.vulpes.status()
-        chunk = int(status["images"]["disk"]["chunk_size"])
-        if int(status["cache"]["room"]) < chunks * chunk:
-            return False
-        status = self.vulpes.reclaim()
-        if _memory_has_no_room(status) or _flush_found_no_room(status):
-            return False
-        self.vm.cont()
-        self._full_since = None
-        usage = CacheUsage.from_status(status["cache"])
-        reporter.say(f"{self.options.name} continues: the chunk cache has room again ({human_bytes(usage.room)})")
-        return True
-
     def _continue(self, reporter: Reporter) -> dict[str, Any]:
         """`isr resume` of a running session: continue a VM paused for lack of room, with the cache limit
         read again from the configuration (the user may have raised it). Raises Refused if it cannot."""
         assert self.vm is not None and self.vulpes is not None
-        if self._full_since is None and not self.vm.paused_for_space():
+        if self.full.since is None and not self.vm.paused_for_space():
             raise Refused(f"{self.options.name} is already running at this site (session pid {os.getpid()}): "
                           f"`isr suspend {self.options.name}` first")
-        if self._full_since is None:
-            self._paused_for_space()
-        limit = configmod.load().cache_limit
-        self.vulpes.set_cache_limit(limit)
-        if not self._go_on_if_room(1, reporter):
-            status = self.vulpes.status()
-            self._full_message = room.full_line(self.options.name, CacheUsage.from_status(status["cache"]),
-                                           _dirty_bytes(status), disconnected=self.options.disconnected)
-            raise Refused(f"the chunk cache still has no room: {self._full_message}")
+        if self.full.since is None:
+            self.full.paused(self.vulpes, self.reporter)
+        self.vulpes.set_cache_limit(configmod.load().cache_limit)
+        if not self.full.go_on_if_room(self.vm, self.vulpes, 1, reporter):
+            raise Refused(f"the chunk cache still has no room: {self.full.say_again(self.vulpes)}")
         return {"name": self.options.name, "continued": True}
 
     def _sync(self, reporter: Reporter) -> dict[str, Any]:
@@ -776,13 +710,14 @@ class Session:
         if not self._server_answers():
             raise Refused("the server does not answer: nothing was uploaded")
         status = self.vulpes.status()
-        before = _dirty_bytes(status)
+        before = room.dirty_bytes(status)
         self._vulpes_upload(reporter)
         status = self.vulpes.reclaim()
-        result = {"name": self.options.name, "uploaded_bytes": max(0, before - _dirty_bytes(status)),
+        result = {"name": self.options.name, "uploaded_bytes": max(0, before - room.dirty_bytes(status)),
                   "room": int(status["cache"]["room"])}
-        if self._full_since is not None:
-            result["continued"] = self._go_on_if_room(1, reporter)
+        if self.full.since is not None:
+            assert self.vm is not None
+            result["continued"] = self.full.go_on_if_room(self.vm, self.vulpes, 1, reporter)
         return result
 
     def _crashed(self, why: str) -> None:
@@ -823,11 +758,11 @@ class Session:
                 t = _lap(phases, "flush", t)
             except (IsrError, OSError) as exc:
                 self._carry_on_after_failed_suspend()
-                if _no_room_error(exc):
+                if room.no_room_error(exc):
                     status = self.vulpes.status()
                     usage = CacheUsage.from_status(status["cache"])
                     raise SuspendAborted(f"the chunk cache has no room to make the VM's state durable "
-                                         f"({human_bytes(_dirty_bytes(status))} of {self.options.name} not yet "
+                                         f"({human_bytes(room.dirty_bytes(status))} of {self.options.name} not yet "
                                          f"uploaded): {usage.what_to_do()}, then suspend again; the VM stays "
                                          f"here") from None
                 raise SuspendAborted(f"the suspend failed ({exc}); the VM keeps running here. If the guest waits "
@@ -899,7 +834,7 @@ class Session:
             self.vulpes.flush()
             return
         except (IsrError, OSError) as exc:
-            if not (_no_room_error(exc) and checkin and not self.options.disconnected and self._server_answers()):
+            if not (room.no_room_error(exc) and checkin and not self.options.disconnected and self._server_answers()):
                 raise
         reporter.say("  the chunk cache is full: uploading what is not on the server yet, to make room")
         self.vulpes.upload()
@@ -916,7 +851,7 @@ class Session:
             self.state.local_devstate_path().unlink()
         with contextlib.suppress(IsrError):
             if self.vm.is_running() and self.vm.query_status() in ("paused", "postmigrate") \
-                    and self._full_since is None:
+                    and self.full.since is None:
                 self.vm.cont()
         if self.trace_path is not None:
             with contextlib.suppress(IsrError):
@@ -1030,34 +965,6 @@ class Session:
                                f"`isr checkin {self.options.name}` when it is back") from None
         self.base_version = version
         return {"version": version, "checkin_seconds": round(time.monotonic() - started, 3)}
-
-
-def _dirty_bytes(status: dict[str, Any]) -> int:
-    """What of the parcel exists only here: objects not uploaded yet, and dirty chunks in vulpes's RAM."""
-    return int(status["cache"].get("own_pinned_bytes", 0)) + \
-        sum(int(status["images"][i].get("dirty_bytes", 0)) for i in IMAGES)
-
-
-def _no_room(error: int) -> bool:
-    return -error in (errno.ENOSPC, errno.EDQUOT)
-
-
-def _no_room_error(exc: BaseException) -> bool:
-    """Whether a failure to make something durable was for lack of room in the cache."""
-    if isinstance(exc, OSError):
-        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
-    return os.strerror(errno.ENOSPC) in str(exc)
-
-
-def _flush_found_no_room(status: dict[str, Any]) -> bool:
-    return any(_no_room(int(status["images"][i].get("flush_error", 0))) for i in IMAGES)
-
-
-def _memory_has_no_room(status: dict[str, Any]) -> bool:
-    """Whether the guest's RAM has writes vulpes could not reserve room for, or cannot flush: the VM must
-    not run on (its memory image's writes would wait, and they come from the kernel's writeback)."""
-    memory = status["images"]["memory"]
-    return int(memory.get("unreserved_chunks", 0)) > 0 or _flush_found_no_room(status)
 
 
 def _lap(phases: dict[str, float], name: str, since: float) -> float:
