@@ -671,26 +671,34 @@ def test_idle_hoard_waits_while_a_guest_read_waits(vulpes_binary: Path, tmp_path
     store = tmp_path / "store"
     state.publish(store)
     server = FaultServer(store, tmp_path).start()
-    server.delay = 2.0
+    server.delay = 2.5
     try:
         with fault_vulpes(vulpes_binary, tmp_path, state, server) as v:
             for image, priority in (("disk", "idle"), ("memory", "hoard")):
                 reader = threading.Thread(target=read_chunk, args=(v, image, 15))
                 reader.start()
-                wait_until(lambda: state.tag_of(image, 15).hex() in server.order, 30, "the guest's GET")
+                # The guest's GET is out (the server answers it after server.delay).
+                wait_until(lambda: v.status()["fetch"]["active"] > 0, 30, "the guest's GET")
                 other = "memory" if image == "disk" else "disk"
                 assert v.control({"op": "hoard", "priority": priority, other: [],
                                   image: {"first": [3, 1], "then": "all"}})["ok"]
                 if priority == "idle":
-                    fetch = v.status()["fetch"]
-                    assert fetch["active_hoard"] == 0 and fetch["queued_idle"] > 0, fetch
+                    # For a while of the guest's GET (answered after server.delay), nothing of the hoard runs
+                    # and the server sees no GET but the guest's.
+                    until = time.monotonic() + 1.0
+                    while time.monotonic() < until:
+                        assert v.status()["fetch"]["active_hoard"] == 0
+                        time.sleep(0.1)
+                    assert reader.is_alive(), "the guest's read ended early: the window proves nothing"
+                    assert server.order == [], server.order
                 else:
                     wait_until(lambda: v.status()["fetch"]["active_hoard"] > 0, 10, "a hoard GET beside the read")
                 server.delay = 0.0                   # the rest need not be slow
                 reader.join(30)
+                assert state.tag_of(image, 15).hex() in server.order
                 assert not reader.is_alive(), "the guest's read did not finish"
                 hoard = wait_until(lambda: (h := v.status()["hoard"])["state"] == "done" and h, 120, "the hoard")
-                server.delay = 2.0
+                server.delay = 2.5
                 # Everything once: the list first, then the rest of the image (chunks 0..15).
                 assert hoard["chunks_total"] == 16 and hoard["chunks_done"] == 16, hoard
     finally:
