@@ -72,13 +72,16 @@ from .control import CONTROL_SOCKET, ControlServer, Request
 from .errors import IsrError, LockBroken, SessionError, StateError, VMError, VulpesFailure
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState, write_file
 from .qemu import VM, VMConfig
-from .remote import RemoteError, RemoteUnreachable
+from .remote import RemoteError, RemoteUnreachable, ServerFailure
 from .vulpes import CacheUsage, Vulpes
 
 log = logging.getLogger(__name__)
 
 VNC_SOCKET = "vnc.sock"
 _POLL = 0.2
+#: How long a suspend waits for vulpes's upload while the server takes no chunk (answering errors, or not at
+#: all) before it leaves the new chunks here and tries the checkin, which then says what failed.
+_UPLOAD_STALL = 20.0
 #: How long an ending session waits for its control thread to hand the result to the requester.
 _ANSWER_TIMEOUT = 10.0
 _RENEW_DEFAULT = 60.0
@@ -936,16 +939,27 @@ class Session:
 
         worker = threading.Thread(target=run, name="vulpes-upload", daemon=True)
         worker.start()
+        refused = ""
+        last_left, moved = pending, time.monotonic()
         while worker.is_alive():
             worker.join(_POLL)
             with contextlib.suppress(IsrError):
                 status = self.vulpes.status()
                 left = sum(int(status["images"][i].get("pending_uploads", 0)) for i in IMAGES)
                 bar.update(max(0, pending - left))
+                if left < last_left:
+                    last_left, moved = left, time.monotonic()
+                fetch = status.get("fetch", {})
+                if time.monotonic() - moved > _UPLOAD_STALL and fetch.get("waiting_seconds", 0) > _UPLOAD_STALL:
+                    # vulpes retries forever (right for a running VM); a suspend gives the user control back.
+                    refused = str(fetch.get("last_error") or "no answer")
+                    break
         note = ""
         if uploaded:
             note = f"{uploaded[0]} sent" + (", the rest superseded or already there" if uploaded[0] < pending else "")
-        bar.close(note)
+        bar.close(note or ("stopped" if refused else ""))
+        if refused:
+            reporter.say(f"  the server has taken no new chunk for {_UPLOAD_STALL:.0f} s ({refused}): they stay here")
         if failure:
             # Not fatal: the checkin uploads whatever the server still lacks from the cache files.
             log.warning("vulpes upload failed: %s", failure[0])
@@ -963,6 +977,10 @@ class Session:
             self.exit_code = 1
             raise SessionError(f"the server is unreachable ({exc}); the new state is kept at this site: "
                                f"`isr checkin {self.options.name}` when it is back") from None
+        except ServerFailure as exc:
+            self.exit_code = 1
+            raise SessionError(f"the server failed to store the new version ({exc}); the new state is kept at "
+                               f"this site: `isr checkin {self.options.name}` when it works again") from None
         self.base_version = version
         return {"version": version, "checkin_seconds": round(time.monotonic() - started, 3)}
 

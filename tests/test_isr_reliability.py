@@ -1,5 +1,5 @@
-"""The `isr` command where things go wrong without a VM (issue 16): damaged files, a lock that changed
-hands behind this site's back, a release that failed, a server that does not answer. Each test runs `isr`
+"""The `isr` command where things go wrong (issue 16): damaged files, a lock that changed hands behind this
+site's back, a release that failed, a server that does not answer or refuses the uploads of a suspend. Each test runs `isr`
 as a person would, against a real isr-server, and checks for one line that says what happened and what to
 do, and that nothing was lost."""
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
-from tests.isr_fixtures import (IsrEnv, Parcel, Site, isr_env, one_line_error,  # noqa: F401  (isr_env: fixture)
-                                sites)
+from tests.isr_fixtures import (IsrEnv, Parcel, Site, check_continues, isr_env,  # noqa: F401  (isr_env: fixture)
+                                make_changes, one_line_error, sites)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -251,3 +251,50 @@ def test_an_upload_cut_short_does_not_claim_every_chunk(tmp_path: Path, monkeypa
     with Client(cfg, token="isr_test", timeout=5) as client, pytest.raises(RemoteUnreachable):
         checkin.upload_from_cache(client, tags, Recorder())
     assert notes == ["0 of 5 chunks sent"], notes
+
+
+@contextlib.contextmanager
+def chunk_uploads_fail(env: IsrEnv) -> Iterator[None]:
+    """While inside, the server's database refuses to record a new chunk, so every upload of one answers 503
+    (what a server with a full or failing store says) while everything else works."""
+    db = Path(env.server.settings["server.data_dir"]) / "meta.sqlite"
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        conn.execute("CREATE TRIGGER test_no_chunks BEFORE INSERT ON chunks "
+                     "BEGIN SELECT RAISE(ABORT, 'disk I/O error (test)'); END")
+        conn.commit()
+    try:
+        yield
+    finally:
+        with contextlib.closing(sqlite3.connect(db)) as conn:
+            conn.execute("DROP TRIGGER test_no_chunks")
+            conn.commit()
+
+
+def test_a_suspend_whose_uploads_the_server_refuses_ends_and_keeps_the_state(isr_env: IsrEnv,
+                                                                              tmp_path: Path) -> None:
+    """Issue 16: a server answering 503 to chunk uploads made `isr suspend` wait forever, saying nothing
+    (vulpes retries, as it should for a running VM). Now the suspend gives up the upload after a while,
+    says why on one line, keeps the suspended state here, and a later `isr checkin` commits it."""
+    parcel = isr_env.make_parcel()
+    with sites(isr_env, tmp_path, ["A"]) as (a,):
+        a.resume(parcel)
+        with a.console(parcel) as console:
+            console.wait_ready(90)
+            marks = make_changes(console, "refused", megabytes=1)
+        with chunk_uploads_fail(isr_env):
+            started = time.monotonic()
+            result = a.isr("suspend", parcel.name, check=False, timeout=240)
+            assert time.monotonic() - started < 180
+            error = one_line_error(result, f"isr checkin {parcel.name}", "503")
+            assert "kept at this site" in error
+            assert "the server has taken no new chunk" in result.stdout, result.stdout
+            a.wait_session_end(parcel)
+            assert isr_env.current_version(parcel) == 1
+            info = a.stat(parcel)
+            assert info["local"]["state"] == "suspended" and info["lock"] is not None, info
+        assert "committed version 2" in a.isr("checkin", parcel.name, "--keyfile", str(parcel.keyfile)).stdout
+        a.resume(parcel)
+        with a.console(parcel) as console:
+            check_continues(console, marks)
+        a.isr("suspend", parcel.name, "--no-checkin")
+        a.wait_session_end(parcel)

@@ -224,6 +224,13 @@ out_free:
         return r;
 }
 
+void daemon_halt(Daemon *d) {
+        if (d->hoard)
+                hoard_halt(d->hoard);
+        if (d->writeback)
+                writeback_halt(d->writeback);
+}
+
 Daemon *daemon_free(Daemon *d) {
         if (!d)
                 return NULL;
@@ -231,10 +238,7 @@ Daemon *daemon_free(Daemon *d) {
                 if (d->images[i] && image_flush(d->images[i]) < 0)
                         log_error("failed to flush the %s image at exit: writes since the last flush are lost",
                                   image_names[i]);
-        if (d->hoard)
-                hoard_halt(d->hoard);
-        if (d->writeback)
-                writeback_halt(d->writeback);
+        daemon_halt(d);
         d->fetcher = fetch_free(d->fetcher);
         d->hoard = hoard_free(d->hoard);
         d->writeback = writeback_free(d->writeback);

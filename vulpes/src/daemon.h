@@ -47,6 +47,12 @@ int daemon_new(const DaemonConfig *config, Daemon **ret);
 
 /* Flushes both images (making every acknowledged write durable), stops every thread, wipes the keys. */
 Daemon *daemon_free(Daemon *d);
+/*
+ * Stops the hoard and writeback workers (a hoard request stays remembered).  At shutdown this comes before
+ * the control socket closes: a control request that waits on them (an upload that the server keeps
+ * refusing) then ends, instead of holding the shutdown forever.
+ */
+void daemon_halt(Daemon *d);
 
 Image *daemon_image(Daemon *d, DaemonImage id);
 const char *daemon_image_name(DaemonImage id);

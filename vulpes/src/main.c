@@ -330,6 +330,7 @@ int main(int argc, char *argv[]) {
         r = mount_run(mount);
         status = r < 0 ? EXIT_FAILURE : EXIT_SUCCESS;
 
+        daemon_halt(daemon);
         control = control_stop(control);
 out_mount:
         mount = mount_free(mount);
