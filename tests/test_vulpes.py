@@ -13,6 +13,7 @@ import json
 import mmap
 import os
 import random
+import socket
 import sqlite3
 import subprocess
 import threading
@@ -595,6 +596,26 @@ def test_hoard_then_offline(vulpes_binary: Path, isr_server: IsrServer, tmp_path
         assert status["fetch"]["offline"] and status["hits"]["server"] == 0
         assert v.control({"op": "online"})["ok"]
         assert v.control({"op": "bogus"}) == {"ok": False, "error": "unknown op \"bogus\""}
+
+
+def test_control_answers_every_line(vulpes_binary: Path, tmp_path: Path) -> None:
+    """Found by fuzzing (doc/fuzzing.md): a request whose error message was not UTF-8 (its own invalid bytes
+    quoted in a parse error, or a character cut at the message's 256 bytes) got no answer, and the connection
+    closed. Every line gets one now, and the connection carries on."""
+    state = make_state(tmp_path / "state", bytes(4 * MIB), 4 * MIB)
+    with Vulpes(vulpes_binary, tmp_path / "mnt", state, tmp_path / "cache") as v:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(30)
+            s.connect(str(v.control_path))
+            f = s.makefile("rwb")
+            for line in (b'{"op\\u\xd7\xb000":"checkin-don]-d\n', b'{"op":"' + "\u00e9".encode() * 200 + b'"}\n'):
+                f.write(line)
+                f.flush()
+                answer = json.loads(f.readline())
+                assert answer["ok"] is False and answer["error"].startswith(("not a JSON object", "unknown op")), answer
+            f.write(b'{"op":"status"}\n')
+            f.flush()
+            assert json.loads(f.readline())["ok"] is True
 
 
 def test_hoard_list_in_priority_order_and_restart(vulpes_binary: Path, isr_server: IsrServer,

@@ -60,12 +60,22 @@ struct Connection {
 static json_t *error_response(const char *format, ...) __attribute__((format(printf, 1, 2)));
 static json_t *error_response(const char *format, ...) {
         char text[256];
+        json_t *message;
         va_list ap;
 
         va_start(ap, format);
         vsnprintf(text, sizeof(text), format, ap);
         va_end(ap);
-        return json_pack("{s:b, s:s}", "ok", 0, "error", text);
+        /* A JSON string is UTF-8, and the text may not be: it can quote a request's bytes (a parse error, an
+         * unknown op) or end in a character cut in half.  Without a string there would be no answer at all. */
+        message = json_string(text);
+        if (!message) {
+                for (char *p = text; *p; p++)
+                        if ((unsigned char) *p >= 0x80)
+                                *p = '?';
+                message = json_string(text);
+        }
+        return json_pack("{s:b, s:o}", "ok", 0, "error", message);
 }
 
 static json_t *ok_response(void) {
@@ -165,8 +175,7 @@ static json_t *op_hoard(Control *c, json_t *request) {
         json_t *priority = json_object_get(request, "priority");
         int r = 0;
 
-        if (!h)
-                return error_response("no server is configured");
+        /* The request is checked before the daemon's state, so that a bad one says what is wrong with it. */
         if (priority && !(json_is_string(priority) && (strcmp(json_string_value(priority), "hoard") == 0 ||
                                                        strcmp(json_string_value(priority), "idle") == 0)))
                 return error_response("\"priority\" must be \"hoard\" or \"idle\"");
@@ -186,6 +195,11 @@ static json_t *op_hoard(Control *c, json_t *request) {
                                               daemon_image_name((DaemonImage) i));
                 }
         }
+        if (!h) {
+                for (int i = 0; i < _DAEMON_IMAGE_MAX; i++)
+                        free(targets[i].indices);
+                return error_response("no server is configured");
+        }
         r = hoard_start(h, targets,
                         priority && strcmp(json_string_value(priority), "idle") == 0 ? FETCH_IDLE : FETCH_HOARD);
         for (int i = 0; i < _DAEMON_IMAGE_MAX; i++)
@@ -201,10 +215,10 @@ static json_t *op_writeback(Control *c, json_t *request) {
         Writeback *w = daemon_writeback(c->daemon);
         json_t *enabled = json_object_get(request, "enabled"), *rate = json_object_get(request, "rate");
 
-        if (!w)
-                return error_response("no server is configured");
         if (!json_is_boolean(enabled) || (rate && (!json_is_integer(rate) || json_integer_value(rate) < 0)))
                 return error_response("writeback needs \"enabled\": true|false and optionally \"rate\": bytes per second");
+        if (!w)
+                return error_response("no server is configured");
         writeback_set_trickle(w, json_is_true(enabled), rate ? (uint64_t) json_integer_value(rate) : 0);
         return ok_response();
 }
@@ -313,6 +327,22 @@ static json_t *handle(Control *c, json_t *request) {
         return error_response("unknown op \"%s\"", op);
 }
 
+char *control_answer(Control *c, const char *line, size_t len) {
+        json_error_t error;
+        json_t *request, *response;
+        char *text;
+
+        request = json_loadb(line, len, 0, &error);
+        if (!request || !json_is_object(request))
+                response = error_response("not a JSON object: %s", request ? "wrong type" : error.text);
+        else
+                response = handle(c, request);
+        json_decref(request);
+        text = json_dumps(response, JSON_COMPACT);
+        json_decref(response);
+        return text;
+}
+
 static int send_all(int fd, const char *p, size_t len) {
         while (len > 0) {
                 ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
@@ -336,20 +366,11 @@ static void *connection_thread(void *userdata) {
         ssize_t len;
 
         while (in && (len = getline(&line, &capacity, in)) > 0) {
-                json_error_t error;
-                json_t *request, *response;
                 char *text;
 
                 if (len > REQUEST_MAX)
                         break;
-                request = json_loadb(line, (size_t) len, 0, &error);
-                if (!request || !json_is_object(request))
-                        response = error_response("not a JSON object: %s", request ? "wrong type" : error.text);
-                else
-                        response = handle(c, request);
-                json_decref(request);
-                text = json_dumps(response, JSON_COMPACT);
-                json_decref(response);
+                text = control_answer(c, line, (size_t) len);
                 if (!text || send_all(conn->fd, text, strlen(text)) < 0 || send_all(conn->fd, "\n", 1) < 0) {
                         free(text);
                         break;

@@ -11,5 +11,11 @@ typedef struct Control Control;
  */
 int control_start(Daemon *d, const char *path, Control **ret);
 
+/*
+ * The answer to one request line, as a connection gives it: a JSON object, malloc()ed, without the newline
+ * (NULL if out of memory).  The connections call it, and so does the fuzz harness (vulpes/fuzz/).
+ */
+char *control_answer(Control *c, const char *line, size_t len);
+
 /* Stops listening and waits for running requests to finish. */
 Control *control_stop(Control *c);
