@@ -32,6 +32,15 @@ log = logging.getLogger(__name__)
 
 #: Largest calendar accepted, from a file or a URL: a person's calendar is far smaller.
 MAX_CALENDAR_BYTES = 32 << 20
+#: The most occurrences read from one calendar in one window: hoarding ahead of more is pointless, and they
+#: are expanded lazily, so that a rule with endless occurrences costs no more (doc/fuzzing.md).
+MAX_OCCURRENCES = 10000
+#: The most periods of SECONDLY, MINUTELY and HOURLY rules expanded from one calendar, counted from each
+#: rule's DTSTART to the window's end: the recurrence library steps through every period since DTSTART (up to
+#: 60 µs each), so one event of a hundred bytes, RRULE:FREQ=SECONDLY, cost 37 s for a week and a MINUTELY one
+#: that started a year ago a minute (found by fuzzing, doc/fuzzing.md). An event beyond it is skipped.
+MAX_PERIODS = 100000
+_PERIOD_SECONDS = {"SECONDLY": 1, "MINUTELY": 60, "HOURLY": 3600}
 
 
 class CalendarError(IsrError):
@@ -250,12 +259,20 @@ def occurrences(data: bytes, source: str, start: dt.datetime, end: dt.datetime, 
             good.add(key, value)
     for tz in skeleton.walk("VTIMEZONE"):
         good.add_component(tz)
+    periods_left = MAX_PERIODS
     for block in blocks:
         try:
             parsed = icalendar.Calendar.from_ical(_frame(keep, block.lines))
             events = parsed.events
             why = _check_event(events[0]) if events else "no event found"
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            if why is None:
+                periods = _subdaily_periods(events[0], end, local, allday_start)
+                if periods > periods_left:
+                    why = (f"it recurs every few seconds, minutes or hours, {periods} times from its start to the "
+                           f"end of the window: too often to expand ({MAX_PERIODS} in all)")
+                else:
+                    periods_left -= periods
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
             why = f"unreadable event: {exc}"
             events = []
         if why is not None:
@@ -265,11 +282,14 @@ def occurrences(data: bytes, source: str, start: dt.datetime, end: dt.datetime, 
             continue
         good.add_component(events[0])
     found: list[Occurrence] = []
-    window_start, window_end = start.astimezone(local), end.astimezone(local)
     try:
-        expanded = recurring_ical_events.of(good).between(window_start, window_end)
+        expanded = _expand(good, start, end, local, allday_start)
     except Exception as exc:  # the library raises a variety of types for inconsistent recurrences
         raise CalendarError(f"{source}: cannot expand recurring events: {exc}") from exc
+    if len(expanded) > MAX_OCCURRENCES:
+        expanded = expanded[:MAX_OCCURRENCES]
+        problems.append(CalendarProblem(source, 0, f"more than {MAX_OCCURRENCES} occurrences in "
+                                        f"{(end - start).days} days; the later ones are left out"))
     for event in expanded:
         if str(event.get("STATUS", "")).upper() == "CANCELLED":
             continue
@@ -288,6 +308,43 @@ def occurrences(data: bytes, source: str, start: dt.datetime, end: dt.datetime, 
                                 all_day=all_day, source=source))
     found.sort(key=lambda o: (o.start, o.uid))
     return CalendarRead(found, problems)
+
+
+def _subdaily_periods(event: icalendar.Event, end: dt.datetime, local: ZoneInfo, allday_start: dt.time) -> int:
+    """How many periods of the event's SECONDLY, MINUTELY or HOURLY rules lie between its DTSTART and `end`
+    (bounded by COUNT and UNTIL): what expanding it costs. 0 for any other event."""
+    rules = event.get("RRULE")
+    if rules is None:
+        return 0
+    start, _ = _as_utc(event.decoded("DTSTART"), local, allday_start)
+    total = 0
+    for rule in rules if isinstance(rules, list) else [rules]:
+        freq = str((rule.get("FREQ") or [""])[0]).upper()
+        if freq not in _PERIOD_SECONDS:
+            continue
+        stop = end
+        until = (rule.get("UNTIL") or [None])[0]
+        if isinstance(until, dt.date):
+            stop = min(stop, _as_utc(until, local, allday_start)[0])
+        period = _PERIOD_SECONDS[freq] * max(int((rule.get("INTERVAL") or [1])[0]), 1)
+        periods = max(int((stop - start).total_seconds()) // period + 1, 0)
+        count = (rule.get("COUNT") or [None])[0]
+        total += min(periods, int(count)) if count is not None else periods
+    return total
+
+
+def _expand(calendar: icalendar.Calendar, start: dt.datetime, end: dt.datetime, local: ZoneInfo,
+            allday_start: dt.time) -> list[icalendar.Event]:
+    """The occurrences of the calendar's events that may start in [start, end), in the order they start, at most
+    MAX_OCCURRENCES + 1 of them: the recurrences are expanded lazily, so an endless one costs no more."""
+    expanded: list[icalendar.Event] = []
+    # The library orders by its own start, which for an all-day event is up to a day before ours (allday_start).
+    stop = end + dt.timedelta(days=2)
+    for event in recurring_ical_events.of(calendar).after(start.astimezone(local)):
+        if _as_utc(event.decoded("DTSTART"), local, allday_start)[0] >= stop or len(expanded) > MAX_OCCURRENCES:
+            break
+        expanded.append(event)
+    return expanded
 
 
 def _local_zone() -> ZoneInfo:

@@ -312,3 +312,32 @@ def test_runner_sleeps_until_the_planned_start_then_hoards_once(tmp_path: Path) 
     plans, _ = runner2.step()
     assert hoarder.runs == [("ws", "full")] and plans[0].status == "ready"
     assert RunnerState.load(tmp_path / "state.json").throughput() == pytest.approx(4e6)
+
+
+@pytest.mark.timeout(60)
+def test_an_event_recurring_every_second_is_skipped_not_expanded() -> None:
+    """Found by fuzzing (doc/fuzzing.md): one RRULE:FREQ=SECONDLY event took 37 s and 486,000 occurrences to read
+    for a week, and a MINUTELY one that began a year ago a minute; now such an event is reported and left out,
+    and the rest of the calendar is read."""
+    data = calendar(event("every-second", "SUMMARY:Tick", "DTSTART:20261101T000000Z", "RRULE:FREQ=SECONDLY"),
+                    event("every-minute", "SUMMARY:Tock", "DTSTART:20251101T000000Z", "RRULE:FREQ=MINUTELY"),
+                    event("hourly", "SUMMARY:Check", "DTSTART:20261101T000000Z", "RRULE:FREQ=HOURLY;COUNT=600"),
+                    event("standup", "SUMMARY:Standup", "DTSTART:20261103T090000Z", "RRULE:FREQ=DAILY;COUNT=3"))
+    got = read(data, utc(2026, 11, 1), days=30)
+    assert {o.uid for o in got.occurrences} == {"hourly", "standup"}
+    assert len(got.occurrences) == 603
+    assert [p.line for p in got.problems] == [21, 28]
+    assert all("too often to expand" in p.message for p in got.problems)
+
+
+@pytest.mark.timeout(60)
+def test_occurrences_beyond_the_limit_are_left_out_and_said() -> None:
+    """A daily rule that expands to every second of the day stops at MAX_OCCURRENCES, with a problem saying so."""
+    every_second = ",".join(map(str, range(60)))
+    data = calendar(event("busy", "DTSTART:20261101T000000Z",
+                          f"RRULE:FREQ=DAILY;BYHOUR=0,1,2,3,4,5;BYMINUTE={every_second};BYSECOND={every_second}"))
+    got = read(data, utc(2026, 11, 1), days=30)
+    assert len(got.occurrences) == ical.MAX_OCCURRENCES
+    assert got.occurrences[-1].start < utc(2026, 11, 1, 3)
+    assert [p.line for p in got.problems] == [0]
+    assert "more than 10000 occurrences" in got.problems[0].message
