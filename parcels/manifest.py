@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -36,7 +37,9 @@ MACHINE_TYPE = re.compile(r"[a-z0-9][a-z0-9_.-]*-[0-9]+\.[0-9]+")
 _RFC3339_UTC = re.compile(r"([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt]([0-9]{2}):([0-9]{2}):([0-9]{2})"
                           r"(\.[0-9]+)?([Zz]|\+00:00)")
 _HEX256 = re.compile(r"[0-9a-f]{64}")
-_MAX_U64 = (1 << 64) - 1
+# jansson (vulpes) reads 64-bit signed integers only; the format says so for both readers.
+_MIN_INT = -(1 << 63)
+_MAX_INT = (1 << 63) - 1
 
 
 @dataclass
@@ -144,16 +147,20 @@ class Manifest:
         """Parse and validate a manifest.
 
         Guarantees: the result satisfies every rule of the spec's manifest table (see `validate`).
-        Unknown keys are ignored. Raises FormatError for text that is not UTF-8 JSON, duplicate keys,
-        `format` other than 1, a missing required field, a field of the wrong type, or a broken rule.
+        Unknown keys are ignored, but not JSON that vulpes's reader refuses, anywhere: the two accept the same
+        manifests. Raises FormatError for text that is not UTF-8 JSON, duplicate keys, NaN, infinities or a
+        number that overflows to one, an integer outside -2^63..2^63-1, a string with U+0000 or a lone
+        surrogate, `format` other than 1, a missing required field, a field of the wrong type, or a broken rule.
         """
         try:
             text = bytes(data).decode("utf-8")
-            obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+            obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
+                             parse_int=_int64, parse_float=_finite)
         except UnicodeDecodeError:
             raise FormatError("manifest is not UTF-8") from None
         except (ValueError, RecursionError) as exc:
             raise FormatError(f"manifest is not valid JSON: {exc}") from None
+        _check_strings(obj)
         manifest = _from_object(obj)
         manifest.validate()
         return manifest
@@ -182,7 +189,7 @@ class Manifest:
         _check(sorted(self.images) == sorted(IMAGES), "images must be exactly disk and memory")
         for name, image in self.images.items():
             where = f"images.{name}"
-            _check(_is_int(image.size) and 0 <= image.size <= _MAX_U64 and image.size % 512 == 0,
+            _check(_is_int(image.size) and 0 <= image.size <= _MAX_INT and image.size % 512 == 0,
                    f"{where}.size must be a multiple of 512")
             _check(len(image.keyring_sha256) == 32, f"{where}.keyring.sha256 must be 32 bytes")
             _check(_is_int(image.chunks) and 0 <= image.chunks <= chunk_count(self.chunk_size, image.size),
@@ -194,7 +201,7 @@ class Manifest:
             _check(name not in RESERVED_BLOB_NAMES, f"blob name {name!r} is reserved")
             _check(blob.kind in BLOB_KINDS, f"blob {name} has kind {blob.kind}, expected 3 or 4")
             _check(len(blob.sha256) == 32, f"blob {name} sha256 must be 32 bytes")
-            _check(_is_int(blob.size) and 0 <= blob.size <= _MAX_U64, f"blob {name} has an invalid size")
+            _check(_is_int(blob.size) and 0 <= blob.size <= _MAX_INT, f"blob {name} has an invalid size")
         vm = self.vm
         _check(all(isinstance(x, str) for x in (vm.machine, vm.cpu, *vm.devices, *vm.devices.values())),
                "vm.machine, vm.cpu and vm.devices must be strings")
@@ -339,6 +346,40 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _no_constant(name: str) -> Any:
     raise FormatError(f"manifest: {name} is not valid JSON")
+
+
+def _int64(text: str) -> int:
+    value = int(text)
+    if not _MIN_INT <= value <= _MAX_INT:
+        raise FormatError(f"manifest: the integer {text[:40]} is outside -2^63..2^63-1")
+    return value
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise FormatError(f"manifest: the number {text[:40]} is too large")
+    return value
+
+
+def _check_strings(obj: Any) -> None:
+    """Refuse U+0000 and lone surrogates (escaped as \\u0000, \\ud800) in every key and string: jansson does.
+    Iterative, as deep as the parser went."""
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise FormatError("manifest: a string holds a lone surrogate") from None
+            if "\0" in value:
+                raise FormatError("manifest: a string holds U+0000")
 
 
 def _field(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str,

@@ -703,6 +703,7 @@ def manifest_vectors() -> list[Vec]:
         ("created_no_zone", "time", lambda o: o.update(created="2026-11-22T04:40:32")),
         ("created_bad_month", "time", lambda o: o.update(created="2026-13-22T04:40:32Z")),
         ("created_date_only", "time", lambda o: o.update(created="2026-11-22")),
+        ("created_year_0", "time", lambda o: o.update(created="0000-01-01T00:00:00Z")),
         ("chunk_size_not_power_of_two", "chunk_size", lambda o: o.update(chunk_size=100000)),
         ("chunk_size_too_large", "chunk_size", lambda o: o.update(chunk_size=8388608)),
         ("images_missing_memory", "images", lambda o: o["images"].pop("memory")),
@@ -755,6 +756,13 @@ def manifest_vectors() -> list[Vec]:
     rejects.append(manifest_reject("duplicate_key", "json", "rules", duplicate))
     nan = canonical(base_manifest()).replace(b'"smp":1', b'"smp":NaN')
     rejects.append(manifest_reject("nan_number", "json", "rules", nan))
+    # JSON one reader took and the other did not, found by fuzzing the two against each other (doc/fuzzing.md):
+    # refused by both, also under a key that no reader knows.
+    for name, member in (("integer_2_63", b'"future":9223372036854775808'), ("number_overflow", b'"future":1e400'),
+                         ("nul_in_string", b'"future":"a\\u0000b"'), ("nul_in_key", b'"a\\u0000b":1'),
+                         ("lone_surrogate", b'"future":"\\ud800"')):
+        text = canonical(base_manifest()).replace(b"{", b"{" + member + b",", 1)
+        rejects.append(manifest_reject(f"unknown_key_{name}", "json", "rules", text))
     return ok + rejects
 
 

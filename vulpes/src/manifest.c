@@ -129,7 +129,7 @@ static unsigned digits_value(const char *s, size_t len) {
 }
 
 /* RFC 3339 in UTC: YYYY-MM-DDTHH:MM:SS[.frac](Z|+00:00), T and Z in either case, a real date and time
- * (second 60 allowed for a leap second). */
+ * (second 60 allowed for a leap second, year 0 not). */
 static bool time_valid(const char *s) {
         static const unsigned days_in_month[] = { 31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31 };
         size_t len = s ? strlen(s) : 0, pos = 19;
@@ -156,7 +156,8 @@ static bool time_valid(const char *s) {
         hour = digits_value(s + 11, 2);
         minute = digits_value(s + 14, 2);
         second = digits_value(s + 17, 2);
-        if (month < 1 || month > 12 || hour > 23 || minute > 59 || second > 60)
+        /* Year 0 is valid RFC 3339 but not a Python datetime: both readers refuse it (found by fuzzing). */
+        if (year < 1 || month < 1 || month > 12 || hour > 23 || minute > 59 || second > 60)
                 return false;
         days = days_in_month[month - 1];
         if (month == 2 && year % 4 == 0 && (year % 100 != 0 || year % 400 == 0))
