@@ -203,8 +203,10 @@ def _check_event(event: icalendar.Event) -> str | None:
             if type(end) is not type(start):
                 return "DTSTART and DTEND are of different kinds (date vs date-time)"
         if "RRULE" in event:
-            rrule = event.get("RRULE")
-            if rrule is None or not rrule.get("FREQ"):
+            # An event may carry more than one RRULE (RFC 5545 advises against it): then icalendar gives a list.
+            rrules = event.get("RRULE")
+            rrules = rrules if isinstance(rrules, list) else [rrules]
+            if not all(rrule is not None and rrule.get("FREQ") for rrule in rrules):
                 return "RRULE without FREQ"
     except (ValueError, TypeError, KeyError) as exc:
         return f"unreadable date: {exc}"

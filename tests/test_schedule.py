@@ -341,3 +341,13 @@ def test_occurrences_beyond_the_limit_are_left_out_and_said() -> None:
     assert got.occurrences[-1].start < utc(2026, 11, 1, 3)
     assert [p.line for p in got.problems] == [0]
     assert "more than 10000 occurrences" in got.problems[0].message
+
+
+def test_an_event_with_two_rrules_is_read_and_a_broken_one_reported() -> None:
+    """Found by fuzzing (doc/fuzzing.md): an event with two RRULE lines (RFC 5545 advises against it, but allows
+    it) raised AttributeError out of occurrences(), a traceback instead of the calendar."""
+    data = calendar(event("two", "DTSTART:20261124T090000Z", "RRULE:FREQ=DAILY;COUNT=2", "RRULE:FREQ=WEEKLY;COUNT=2"),
+                    event("broken", "DTSTART:20261124T100000Z", "RRULE:FREQ=DAILY;COUNT=2", "RRULE:COUNT=2"))
+    got = read(data, utc(2026, 11, 23), days=10)
+    assert [o.start for o in got.occurrences] == [utc(2026, 11, 24, 9), utc(2026, 11, 25, 9), utc(2026, 12, 1, 9)]
+    assert [(p.line, p.message) for p in got.problems] == [(28, "event skipped: RRULE without FREQ")]
