@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 from parcels import resumepack, seal
@@ -38,6 +39,10 @@ PACK_BYTES = 16 << 20
 #: The plaintext of one part; only the first is fetched before the guest starts (compressed, about a quarter
 #: of it crosses the link: 0.1 s at 100 Mbit/s, 1 s at 10).
 PART_BYTES = 4 << 20
+#: The rest of the parts follow only on a link at least this fast (bytes/s, as the first part came): on
+#: slower links they took the link from the chunks the workload wanted next, and the guest answered no
+#: sooner (BENCHMARKS.md, "isr: the resume pack, before and after"; 10 and 1 Mbit/s).
+REST_MIN_RATE = 4 << 20
 #: Touched ranges this close are packed as one extent: a later resume's read-around may straddle them.
 _JOIN_GAP = 16 << 10
 _PAGE = 4096
@@ -146,15 +151,18 @@ def worth_loading(state: ParcelState, manifest: Manifest) -> bool:
 
 
 def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, vulpes: Vulpes,
-         names: list[str]) -> int:
-    """Fetch the pack parts ``names`` in order, check each and hand it to vulpes; returns their plaintext bytes.
+         names: list[str]) -> tuple[int, float]:
+    """Fetch the pack parts ``names`` in order, check each and hand it to vulpes; returns their plaintext bytes
+    and the rate the sealed parts came at (bytes per second).
 
     A part that cannot be had or is damaged ends the loading with a warning: the resume fetches those chunks
     as it would without a pack."""
-    used = 0
+    used = moved = 0
+    started = time.monotonic()
     for name in names:
         try:
             sealed = remote.get_blob(state.parcel, manifest.version, name)
+            moved += len(sealed)
             payload = open_blob(parcel_keys.parcel_key, sealed, manifest, name)
             size = manifest.images["memory"].size
             part = sum(extent.length for extent, _ in resumepack.decode(payload, size))
@@ -165,4 +173,4 @@ def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: Pa
         used += part
         log.info("resume pack %s: %d bytes of memory served before their chunks (%d bytes crossed the link)",
                  name, part, len(sealed))
-    return used
+    return used, moved / max(time.monotonic() - started, 1e-3)

@@ -877,9 +877,11 @@ class Session:
         runs on the first (`isrctl.pack`)."""
         assert self.client is not None and self.vulpes is not None
         names = pack.parts(manifest)
-        used = pack.load(self.client.remote, self.state, manifest, self.keys, self.vulpes, names[:1])
+        used, rate = pack.load(self.client.remote, self.state, manifest, self.keys, self.vulpes, names[:1])
         if not used:
             return
+        if rate < pack.REST_MIN_RATE:
+            names = names[:1]
         self.reporter.say(f"  resume pack: {used / 2**20:.1f} MiB of memory ready before its chunks"
                           + (f", {len(names) - 1} more parts to follow" if len(names) > 1 else ""))
         if len(names) > 1:
