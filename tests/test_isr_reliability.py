@@ -38,20 +38,24 @@ def test_non_utf8_config_and_token_name_the_file(isr_env: IsrEnv, tmp_path: Path
 
 
 @contextlib.contextmanager
-def releases_fail(env: IsrEnv) -> Iterator[None]:
-    """While inside, the server's database refuses to delete a lock row, so every lock release answers
-    503 (the storage failed) while commits, which only update the row, still work."""
+def database_refuses(env: IsrEnv, name: str, event: str) -> Iterator[None]:
+    """While inside, a trigger makes the server's database fail ``event`` ("DELETE ON locks", ...) as a
+    failing disk would, so the requests that need it answer 503 while everything else works."""
     db = Path(env.server.settings["server.data_dir"]) / "meta.sqlite"
     with contextlib.closing(sqlite3.connect(db)) as conn:
-        conn.execute("CREATE TRIGGER test_no_release BEFORE DELETE ON locks "
-                     "BEGIN SELECT RAISE(ABORT, 'disk I/O error (test)'); END")
+        conn.execute(f"CREATE TRIGGER {name} BEFORE {event} BEGIN SELECT RAISE(ABORT, 'disk I/O error (test)'); END")
         conn.commit()
     try:
         yield
     finally:
         with contextlib.closing(sqlite3.connect(db)) as conn:
-            conn.execute("DROP TRIGGER test_no_release")
+            conn.execute(f"DROP TRIGGER {name}")
             conn.commit()
+
+
+def releases_fail(env: IsrEnv) -> contextlib.AbstractContextManager[None]:
+    """Every lock release answers 503 (the storage failed) while commits, which only update the row, work."""
+    return database_refuses(env, "test_no_release", "DELETE ON locks")
 
 
 def server_lock(site: Site, parcel: Parcel) -> str:
@@ -253,21 +257,10 @@ def test_an_upload_cut_short_does_not_claim_every_chunk(tmp_path: Path, monkeypa
     assert notes == ["0 of 5 chunks sent"], notes
 
 
-@contextlib.contextmanager
-def chunk_uploads_fail(env: IsrEnv) -> Iterator[None]:
-    """While inside, the server's database refuses to record a new chunk, so every upload of one answers 503
-    (what a server with a full or failing store says) while everything else works."""
-    db = Path(env.server.settings["server.data_dir"]) / "meta.sqlite"
-    with contextlib.closing(sqlite3.connect(db)) as conn:
-        conn.execute("CREATE TRIGGER test_no_chunks BEFORE INSERT ON chunks "
-                     "BEGIN SELECT RAISE(ABORT, 'disk I/O error (test)'); END")
-        conn.commit()
-    try:
-        yield
-    finally:
-        with contextlib.closing(sqlite3.connect(db)) as conn:
-            conn.execute("DROP TRIGGER test_no_chunks")
-            conn.commit()
+def chunk_uploads_fail(env: IsrEnv) -> contextlib.AbstractContextManager[None]:
+    """Every upload of a new chunk answers 503 (what a server with a full or failing store says) while
+    everything else works."""
+    return database_refuses(env, "test_no_chunks", "INSERT ON chunks")
 
 
 def test_a_suspend_whose_uploads_the_server_refuses_ends_and_keeps_the_state(isr_env: IsrEnv,
