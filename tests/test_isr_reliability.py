@@ -1,7 +1,7 @@
 """The `isr` command where things go wrong (issue 16): damaged files, a lock that changed hands behind this
-site's back, a release that failed, a server that does not answer or refuses the uploads of a suspend. Each test runs `isr`
-as a person would, against a real isr-server, and checks for one line that says what happened and what to
-do, and that nothing was lost."""
+site's back, a release that failed, a server that does not answer or refuses the uploads of a suspend. Each
+test runs `isr` as a person would, against a real isr-server, and checks for one line that says what happened
+and what to do, and that nothing was lost."""
 from __future__ import annotations
 
 import contextlib
