@@ -18,8 +18,10 @@ from .errors import GuestBuildError
 log = logging.getLogger(__name__)
 
 #: The modules the guest needs, by name; their dependencies are added in front automatically.
-#: virtio_pci finds the devices, virtio_blk drives the disk. Nothing else (no console or rng over virtio).
-WANTED_MODULES = ("virtio_pci", "virtio_blk")
+#: virtio_pci finds the devices, virtio_blk drives the disk, virtio_net the NIC of QEMU's user-mode network and
+#: virtio_rng its random number generator (when the VM has them); button and evdev turn the ACPI power button
+#: into an input event that busybox's acpid answers with ``isr-poweroff``.
+WANTED_MODULES = ("virtio_pci", "virtio_blk", "virtio_net", "virtio_rng", "button", "evdev")
 
 #: Files from the package's files/ directory and where they go in the initramfs.
 GUEST_FILES = {"init": "init", "isr-agent": "bin/isr-agent", "isr-poweroff": "bin/isr-poweroff",
@@ -81,6 +83,9 @@ def build_initramfs(*, busybox: Path, modules_dir: Path, files_dir: Path, stagin
     for source, target in GUEST_FILES.items():
         shutil.copyfile(files_dir / source, staging / target)
         os.chmod(staging / target, 0o755)
+    # busybox acpid runs /etc/acpi/<action> for an event: the power button (PWRF) powers the guest off cleanly.
+    (staging / "etc" / "acpi" / "PWRF").mkdir(parents=True, exist_ok=True)
+    (staging / "etc" / "acpi" / "PWRF" / "00000080").symlink_to("/bin/isr-poweroff")
     order = module_load_order(modules_dir)
     for module in order:
         shutil.copyfile(module, staging / "lib" / "modules" / module.name)
