@@ -12,6 +12,7 @@ import argparse
 import datetime
 import getpass
 import json
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 from isrprogress import Reporter, TerminalReporter, human_bytes as size
 from parcels.errors import ParcelError
 
-from . import auth, names, ops
+from . import auth, names, ops, tls
 from .config import Config
 from .errors import ApiError, ServerError
 from .main import load_config
@@ -345,6 +346,39 @@ class Admin:
 
         self.out(data, human)
 
+    # --- handing the server to users ---------------------------------------------------------------
+
+    def _server_url(self, url: str | None, cert_hosts: list[str]) -> str:
+        """The address users give `isr login`: --url, or server.listen with a wildcard host replaced by the
+        certificate's first DNS name other than localhost (else this machine's name)."""
+        if url:
+            if not url.startswith("https://") or len(url) <= len("https://"):
+                raise AdminError(f"--url must be https://HOST:PORT, got {url!r}")
+            return url.rstrip("/")
+        host, port = self.config.listen
+        if port == 0:
+            raise AdminError("server.listen picks a free port at each start (port 0): give --url https://HOST:PORT")
+        if host in ("", "0.0.0.0", "::"):
+            host = next((name for name in cert_hosts if name != "localhost" and "*" not in name), socket.getfqdn())
+        return f"https://{f'[{host}]' if ':' in host else host}:{port}"
+
+    def fingerprint(self, args: argparse.Namespace) -> None:
+        cert = tls.certificate_path(self.config.data_dir, self.config["server.tls_cert"])
+        if not self.config["server.tls_cert"] and not cert.is_file():
+            raise AdminError(f"there is no certificate {cert} yet: isr-server makes a self-signed one at its first "
+                             f"start (or set server.tls_cert and server.tls_key)")
+        fingerprint = tls.fingerprint_file(cert)
+        url = self._server_url(args.url, tls.certificate_hosts(cert))
+        user = args.user or "NAME"
+        if args.user:
+            names.user_name(args.user)
+            if self.meta.get_user(args.user) is None:
+                raise AdminError(f"no user {args.user} (`isr-admin user add {args.user}` first)")
+        login = f"isr login {url} --user {user} --fingerprint {fingerprint}"
+        self.out({"certificate": str(cert), "fingerprint": fingerprint, "url": url, "user": args.user,
+                  "login": login},
+                 lambda: f"certificate {cert}\nfingerprint {fingerprint}\n\n{login}")
+
     def audit(self, args: argparse.Namespace) -> None:
         parcel = self.parcel_id(args.parcel) if args.parcel else None
         entries = self.meta.list_audit(parcel, args.limit)
@@ -440,6 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd(top, "fsck", "fsck", "re-hash every chunk and check every version is complete")
     p.add_argument("--repair", action="store_true", help="delete corrupt objects and forget missing ones")
     cmd(top, "usage", "usage", "bytes stored, dedup ratio, per user")
+    p = cmd(top, "fingerprint", "fingerprint",
+            "print the server certificate's fingerprint and the `isr login` line to hand a user")
+    p.add_argument("--user", help="the user the login line is for (default: a NAME placeholder)")
+    p.add_argument("--url", metavar="https://HOST:PORT",
+                   help="the address users reach the server at (default: from server.listen and the certificate)")
     p = cmd(top, "audit", "audit", "show the audit log (lock actions, commits, admin actions)")
     p.add_argument("--parcel", help="UUID or owner/name")
     p.add_argument("--limit", type=int, default=100)

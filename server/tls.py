@@ -39,6 +39,22 @@ def fingerprint_file(cert_path: Path) -> str:
     return fingerprint_der(cert.public_bytes(serialization.Encoding.DER))
 
 
+def certificate_path(data_dir: Path, cert: str) -> Path:
+    """Where isr-server takes its certificate from: `cert` (``server.tls_cert``) if set, else the
+    self-signed one in data_dir/tls (which `ensure_certificate` makes at the first start)."""
+    return Path(cert) if cert else data_dir / "tls" / "server.crt"
+
+
+def certificate_hosts(cert_path: Path) -> list[str]:
+    """The DNS names of a PEM certificate's subjectAltName, in the certificate's order (none: empty)."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        alt = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return []
+    return list(alt.get_values_for_type(x509.DNSName))
+
+
 def make_self_signed(cert_path: Path, key_path: Path, names: list[str] | None = None) -> str:
     """Write a new self-signed EC P-256 certificate and PKCS#8 key; return its fingerprint.
 
@@ -86,13 +102,13 @@ def ensure_certificate(data_dir: Path, cert: str, key: str) -> tuple[Path, Path,
     With `cert` and `key` set, check they exist. Otherwise use data_dir/tls/server.{crt,key}, creating a
     self-signed pair the first time.
     """
+    cert_path = certificate_path(data_dir, cert)
     if cert:
-        cert_path, key_path = Path(cert), Path(key)
+        key_path = Path(key)
         if not key_path.is_file():
             raise TLSError(f"server.tls_key: {key_path} does not exist")
         return cert_path, key_path, fingerprint_file(cert_path), False
-    tls_dir = data_dir / "tls"
-    cert_path, key_path = tls_dir / "server.crt", tls_dir / "server.key"
+    key_path = cert_path.with_name("server.key")
     if cert_path.is_file() and key_path.is_file():
         return cert_path, key_path, fingerprint_file(cert_path), False
     return cert_path, key_path, make_self_signed(cert_path, key_path), True
