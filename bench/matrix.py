@@ -57,7 +57,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from toxiproxy import Proxy, Toxiproxy
 from vulpes_common import link_bandwidth, machine, today
 
 import matrix_report  # noqa: E402
@@ -66,6 +65,7 @@ from tools.guest import GuestArtifacts, booted_guest, build, copy_disk  # noqa: 
 from parcels.keyring import Keyring  # noqa: E402
 from parcels.store import DirStore  # noqa: E402
 from tests.isr_fixtures import IsrEnv, NetSite, Parcel, Site, shaped_namespaces, start_isr_env  # noqa: E402
+from tests.toxiproxy_fixtures import Proxy, Toxiproxy  # noqa: E402
 from tools.chunksim.capture import (data_ranges_at, read_qemu_log, scan_data_ranges,  # noqa: E402
                                     trace_arguments, window)
 from tools.chunksim.policy import PolicyParams, predict, stored_disk_bytes  # noqa: E402

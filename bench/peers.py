@@ -5,7 +5,7 @@
 
 As a module (bench/matrix.py): start `peer_origin` once, then call `measure_peer` for each peer at each site.
 Standalone: one network namespace behind a tbf-shaped veth link (tests.isr_fixtures.shaped_namespaces), a
-toxiproxy proxy on the host's end of the link that adds the round-trip time (bench/toxiproxy.py), and one
+toxiproxy proxy on the host's end of the link that adds the round-trip time (tests/toxiproxy_fixtures.py), and one
 table. Needs root.
 
 The origin is nginx-light in the host's network namespace (bench/nginx_origin.py: HTTPS with a throwaway
@@ -62,13 +62,13 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # imported as bench.pe
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from nginx_origin import Nginx, stop_process  # noqa: E402
-from toxiproxy import Toxiproxy  # noqa: E402
 from vulpes_common import table  # noqa: E402  (also puts the repository on sys.path)
 
 from isrctl.errors import IsrError  # noqa: E402
 from parcels.compress import DEFAULT_LEVEL  # noqa: E402
 from tools.guest import GuestArtifacts, GuestError, booted_guest, build  # noqa: E402
 from tests.isr_fixtures import NetSite, shaped_namespaces  # noqa: E402
+from tests.toxiproxy_fixtures import Toxiproxy  # noqa: E402
 from tests.vulpes_fixtures import make_certificate  # noqa: E402
 
 PEERS = ("qemu-curl", "nbdkit-curl", "copy-in")

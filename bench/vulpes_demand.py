@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from toxiproxy import Toxiproxy, ToxiproxyError
 from vulpes_common import (REPO, link_bandwidth, machine, netns, shape, start_server, table, today, update_section,
                            use_namespace)
 
+from tests.toxiproxy_fixtures import Toxiproxy, ToxiproxyError  # noqa: E402
 from tests.vulpes_fixtures import CHUNK_SIZE, ParcelState, Vulpes, make_state  # noqa: E402
 
 MIB = 1 << 20

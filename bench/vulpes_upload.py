@@ -27,9 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from toxiproxy import Toxiproxy
 from vulpes_common import REPO, NS_ADDR, NsServer, link_bandwidth, netns, shape, start_server
 
+from tests.toxiproxy_fixtures import Toxiproxy  # noqa: E402
 from tests.vulpes_fixtures import CHUNK_SIZE, Vulpes, make_state  # noqa: E402
 
 MIB = 1 << 20
