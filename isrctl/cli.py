@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from importlib import metadata
 from typing import Any
 
 from parcels.errors import ParcelError
@@ -67,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens (to stderr)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only errors")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('isr')}",
+                        help="print the version (the project's, in VERSION) and exit")
+    parser.set_defaults(func=None)  # no command: `main` prints this help
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def cmd(name: str, func: Any, help_text: str, description: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=description or help_text,
@@ -75,10 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    def credentials(p: argparse.ArgumentParser) -> None:
-        group = p.add_argument_group("parcel credential (default: ask on the terminal)")
-        group.add_argument("--passphrase-env", metavar="VAR", help="take the parcel passphrase from this variable")
-        group.add_argument("--keyfile", metavar="FILE", help="the parcel is protected by this key file")
+    def credentials(p: argparse.ArgumentParser, new: bool = False) -> None:
+        """--passphrase-file, --passphrase-env, --key-file (and with ``new`` the --new-... ones); the same
+        names and sources as isr-admin's. --keyfile and --new-keyfile, the names before issue 18, are hidden."""
+        prefix, what = ("new-", "the new") if new else ("", "the parcel")
+        group = p.add_argument_group(f"{what} credential (default: ask on the terminal)").add_mutually_exclusive_group()
+        group.add_argument(f"--{prefix}passphrase-file", metavar="FILE|-",
+                           help=f"take {what} passphrase from this file ('-': a line of stdin"
+                                + (", after the old one's)" if new else ")"))
+        group.add_argument(f"--{prefix}passphrase-env", metavar="VAR", help=f"take {what} passphrase from this variable")
+        group.add_argument(f"--{prefix}key-file", metavar="FILE",
+                           help="protect the parcel with a new key file written here" if new
+                           else "the parcel is protected by this key file")
+        group.add_argument(f"--{prefix}keyfile", dest=f"{prefix.replace('-', '_')}key_file", help=argparse.SUPPRESS)
 
     p = cmd("login", cmd_login, "log in to an ISR server and remember it",
             "Log in to an ISR server. The server's certificate is pinned by the fingerprint isr-server printed\n"
@@ -87,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user", required=True, help="your user name on the server")
     p.add_argument("--fingerprint", required=True, metavar="sha256:HEX", help="the server certificate's fingerprint")
     p.add_argument("--site", help="a name for this site, shown to others in lock information (default: host name)")
-    p.add_argument("--password-env", metavar="VAR", help="take the password from this variable")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--password-file", metavar="FILE|-",
+                       help="take the password from this file ('-': the first line of stdin)")
+    group.add_argument("--password-env", metavar="VAR", help="take the password from this variable")
     p.add_argument("--accel", choices=configmod.ACCELERATORS, default="tcg",
                    help="default accelerator for resumes here (kvm is used only where a probe boot works)")
     p.add_argument("--cache-limit", metavar="SIZE",
@@ -278,15 +294,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cmd("passwd", cmd_passwd, "change the parcel's passphrase (or switch to a key file)")
     p.add_argument("parcel", help="parcel name or UUID")
-    p.add_argument("--new-passphrase-env", metavar="VAR", help="take the new passphrase from this variable")
-    p.add_argument("--new-keyfile", metavar="FILE", help="protect the parcel with a new key file written here")
     credentials(p)
+    credentials(p, new=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.func is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="isr: %(name)s: %(message)s")
     try:

@@ -4,9 +4,9 @@ The passphrase (or key file) opens the parcel's key envelope; what comes out, th
 convergence secret CS, lives only in the memory of the process that needs it. vulpes gets ``PK || CS``
 through an inherited pipe (`key_pipe`, vulpes ``--key-fd``), never through a file or a command line.
 
-Passphrase sources, in order: ``--passphrase-env VAR`` (the variable's value), ``--keyfile FILE``, and
-otherwise a prompt on the terminal (getpass). Without a terminal and without either option, there is
-nothing to ask, and `obtain_credential` says so.
+Credential sources (one of): ``--passphrase-file FILE|-``, ``--passphrase-env VAR``, ``--key-file FILE``
+(read by `parcels.secretsource`, as isr-admin reads them), and otherwise a prompt on the terminal (getpass).
+Without a terminal and without any of them, there is nothing to ask, and `obtain_credential` says so.
 """
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ import os
 import sys
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
-from parcels import envelope
+from parcels import envelope, secretsource
 from parcels.errors import FormatError, IntegrityError, WrongKeyError
 from parcels.parcel import ParcelKeys
 
@@ -37,31 +36,24 @@ class Credential:
         return "Credential(passphrase)" if self.passphrase is not None else "Credential(keyfile)"
 
 
-def obtain_credential(*, passphrase_env: str | None = None, keyfile: str | os.PathLike[str] | None = None,
+def obtain_credential(*, passphrase_file: str | None = None, passphrase_env: str | None = None,
+                      key_file: str | os.PathLike[str] | None = None,
                       prompt: str = "parcel passphrase: ") -> Credential:
-    """Get the credential from an environment variable, a key file, or a terminal prompt.
+    """Get the credential from a file, an environment variable, a key file, or a terminal prompt.
 
-    Raises CredentialError if the variable is unset or empty, the key file cannot be read, or no source
-    is given and stdin is not a terminal.
+    Raises SecretSourceError (a ParcelError) if a named source gives nothing, and CredentialError if two
+    sources are given, or none and stdin is not a terminal.
     """
-    if passphrase_env and keyfile:
-        raise CredentialError("give either --passphrase-env or --keyfile, not both")
-    if passphrase_env:
-        value = os.environ.get(passphrase_env)
-        if not value:
-            raise CredentialError(f"environment variable {passphrase_env} (--passphrase-env) is not set")
-        return Credential(passphrase=value)
-    if keyfile:
-        try:
-            data = Path(keyfile).read_bytes()
-        except OSError as exc:
-            raise CredentialError(f"cannot read key file {keyfile}: {exc.strerror}") from None
-        if not envelope.MIN_KEYFILE <= len(data) <= envelope.MAX_KEYFILE:
-            raise CredentialError(f"key file {keyfile} holds {len(data)} bytes; a key file holds "
-                                  f"{envelope.MIN_KEYFILE} to {envelope.MAX_KEYFILE}")
-        return Credential(keyfile=data)
+    if key_file and (passphrase_file or passphrase_env):
+        raise CredentialError("give either a passphrase (--passphrase-file, --passphrase-env) or --key-file, not both")
+    if key_file:
+        return Credential(keyfile=secretsource.read_key_file(key_file))
+    passphrase = secretsource.read_secret(file=passphrase_file, env=passphrase_env, option="--passphrase")
+    if passphrase is not None:
+        return Credential(passphrase=passphrase)
     if not sys.stdin.isatty():
-        raise CredentialError("no passphrase: run from a terminal, or give --passphrase-env VAR or --keyfile FILE")
+        raise CredentialError("no passphrase: run from a terminal, or give --passphrase-file FILE|-, "
+                              "--passphrase-env VAR or --key-file FILE")
     try:
         value = getpass.getpass(prompt)
     except (EOFError, KeyboardInterrupt):

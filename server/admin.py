@@ -20,11 +20,12 @@ from typing import Any
 
 from isrprogress import Reporter, TerminalReporter, human_bytes as size
 from parcels.errors import ParcelError
+from parcels.secretsource import read_key_file, read_secret
 
 from . import auth, names, ops, tls
 from .config import Config
 from .errors import ApiError, ServerError
-from .main import load_config
+from .main import VERSION_TEXT, load_config
 from .meta import open_meta
 from .meta.sql import SqlMeta
 from .store import ObjectStore, open_store
@@ -48,24 +49,13 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _read_secret_file(path: str, what: str) -> str:
-    try:
-        text = sys.stdin.readline() if path == "-" else Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise AdminError(f"cannot read the {what} file {path}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise AdminError(f"the {what} file {path} is not UTF-8 text (byte {e.start})") from None
-    value = text.rstrip("\r\n")
-    if not value:
-        raise AdminError(f"the {what} file {path} is empty")
-    return value
-
-
 def _password(args: argparse.Namespace, what: str = "password") -> str:
-    if args.password_file:
-        return _read_secret_file(args.password_file, what)
+    password = read_secret(file=args.password_file, env=args.password_env, option="--password")
+    if password is not None:
+        return password
     if not sys.stdin.isatty():
-        raise AdminError(f"give --password-file (or run on a terminal to be asked for the {what})")
+        raise AdminError(f"give --password-file FILE|- or --password-env VAR (or run on a terminal to be asked "
+                         f"for the {what})")
     first = getpass.getpass(f"new {what}: ")
     if first != getpass.getpass("again: "):
         raise AdminError(f"the two {what}s differ")
@@ -74,20 +64,20 @@ def _password(args: argparse.Namespace, what: str = "password") -> str:
     return first
 
 
-def _credential(passphrase_file: str | None, key_file: str | None, prompt: str, required: bool = True
+def _credential(args: argparse.Namespace, prompt: str, prefix: str = "", required: bool = True
                 ) -> tuple[str | None, bytes | None]:
-    """A parcel passphrase (from a file, or asked for) or a key file's contents."""
+    """A parcel passphrase (from --{prefix}passphrase-file or -env, or asked for) or a key file's contents."""
+    dest = prefix.replace("-", "_")
+    key_file = getattr(args, f"{dest}key_file")
     if key_file:
-        try:
-            return None, Path(key_file).read_bytes()
-        except OSError as e:
-            raise AdminError(f"cannot read the key file {key_file}: {e.strerror}") from None
-    if passphrase_file:
-        return _read_secret_file(passphrase_file, "passphrase"), None
-    if not required:
-        return None, None
+        return None, read_key_file(key_file, f"--{prefix}key-file")
+    passphrase = read_secret(file=getattr(args, f"{dest}passphrase_file"), env=getattr(args, f"{dest}passphrase_env"),
+                             option=f"--{prefix}passphrase")
+    if passphrase is not None or not required:
+        return passphrase, None
     if not sys.stdin.isatty():
-        raise AdminError("give --passphrase-file or --key-file (or run on a terminal to be asked)")
+        raise AdminError("give --passphrase-file FILE|-, --passphrase-env VAR or --key-file FILE (or run on a "
+                         "terminal to be asked)")
     return getpass.getpass(prompt), None
 
 
@@ -178,7 +168,7 @@ class Admin:
     def parcel_create(self, args: argparse.Namespace) -> None:
         names.user_name(args.owner)
         names.parcel_name(args.name)
-        passphrase, keyfile = _credential(args.passphrase_file, args.key_file, f"passphrase for {args.name}: ")
+        passphrase, keyfile = _credential(args, f"passphrase for {args.name}: ")
         vm: dict[str, Any] = {}
         if args.vm:
             try:
@@ -239,8 +229,8 @@ class Admin:
         parcel = self.parcel_id(args.parcel)
         names.user_name(args.owner)
         names.parcel_name(args.name)
-        passphrase, keyfile = _credential(args.passphrase_file, args.key_file, "passphrase of the source parcel: ")
-        new_pass, new_key = _credential(args.new_passphrase_file, args.new_key_file, "", required=False)
+        passphrase, keyfile = _credential(args, "passphrase of the source parcel: ")
+        new_pass, new_key = _credential(args, "", "new-", required=False)
         new = ops.copy_parcel(self.meta, self.store, parcel, owner=args.owner, name=args.name, passphrase=passphrase,
                               keyfile=keyfile, new_passphrase=new_pass, new_keyfile=new_key, log2n=args.scrypt_log2n)
         self.out(self._parcel_json(new), lambda: f"copied {parcel} to {new} ({args.owner}/{args.name})")
@@ -272,7 +262,7 @@ class Admin:
 
     def version_rollback(self, args: argparse.Namespace) -> None:
         parcel = self.parcel_id(args.parcel)
-        passphrase, keyfile = _credential(args.passphrase_file, args.key_file, "passphrase: ")
+        passphrase, keyfile = _credential(args, "passphrase: ")
         new = ops.rollback(self.meta, self.store, parcel, args.version, passphrase=passphrase, keyfile=keyfile,
                            force=args.force)
         self.out({"parcel": parcel, "version": new, "content_of": args.version},
@@ -390,11 +380,19 @@ class Admin:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="isr-admin", description="Manage an ISR server's users, parcels and storage.")
+    parser.add_argument("--version", action="version", version=VERSION_TEXT, help="print the version and exit")
     parser.add_argument("-c", "--config", help="the server's config file (default: $ISR_SERVER_CONFIG)")
     parser.add_argument("--data-dir", help="override server.data_dir")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE", help="override a setting")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    top = parser.add_subparsers(dest="noun", required=True)
+    # Without a command (or a noun without its verb) the nearest parser's help is printed (`main`).
+    parser.set_defaults(func=None, help_of=parser)
+    top = parser.add_subparsers(dest="noun", metavar="COMMAND")
+
+    def noun(name: str, help_text: str) -> Any:
+        p = top.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(help_of=p)
+        return p.add_subparsers(dest="verb", metavar="VERB")
 
     def cmd(sub: Any, name: str, func: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -402,26 +400,37 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     def credentials(p: argparse.ArgumentParser, prefix: str = "") -> None:
+        what = "the new parcel's" if prefix else "the parcel"
         group = p.add_mutually_exclusive_group()
-        group.add_argument(f"--{prefix}passphrase-file", help="file holding the parcel passphrase ('-': stdin)")
-        group.add_argument(f"--{prefix}key-file", help="key file protecting the parcel instead of a passphrase")
+        group.add_argument(f"--{prefix}passphrase-file", metavar="FILE|-",
+                           help=f"take {what} passphrase from this file ('-': a line of stdin)")
+        group.add_argument(f"--{prefix}passphrase-env", metavar="VAR",
+                           help=f"take {what} passphrase from this variable")
+        group.add_argument(f"--{prefix}key-file", metavar="FILE",
+                           help=f"{what} is protected by this key file instead of a passphrase")
 
-    users = top.add_parser("user", help="users").add_subparsers(dest="verb", required=True)
+    def password(p: argparse.ArgumentParser) -> None:
+        group = p.add_mutually_exclusive_group()
+        group.add_argument("--password-file", metavar="FILE|-",
+                           help="take the password from this file ('-': the first line of stdin)")
+        group.add_argument("--password-env", metavar="VAR", help="take the password from this variable")
+
+    users = noun("user", "users")
     p = cmd(users, "add", "user_add", "add a user")
-    p.add_argument("name")
+    p.add_argument("name", help="the new user's name")
     p.add_argument("--admin", action="store_true", help="may break any parcel's lock through the API")
-    p.add_argument("--password-file", help="file holding the password ('-': first line of stdin)")
+    password(p)
     p = cmd(users, "remove", "user_remove", "remove a user who owns no parcels")
-    p.add_argument("name")
+    p.add_argument("name", help="the user's name")
     p = cmd(users, "password", "user_password", "set a user's password (revokes their tokens)")
-    p.add_argument("name")
-    p.add_argument("--password-file", help="file holding the password ('-': first line of stdin)")
+    p.add_argument("name", help="the user's name")
+    password(p)
     cmd(users, "list", "user_list", "list users")
 
-    parcels = top.add_parser("parcel", help="parcels").add_subparsers(dest="verb", required=True)
+    parcels = noun("parcel", "parcels")
     p = cmd(parcels, "create", "parcel_create", "create a parcel from a raw or qcow2 disk image")
-    p.add_argument("--owner", required=True)
-    p.add_argument("--name", required=True)
+    p.add_argument("--owner", required=True, help="the user who owns it")
+    p.add_argument("--name", required=True, help="its name, unique among the owner's parcels")
     p.add_argument("--disk", required=True, help="raw or qcow2 disk image")
     p.add_argument("--ram", type=int, required=True, metavar="MIB", help="VM memory in MiB")
     p.add_argument("--machine", help="QEMU machine type (versioned, e.g. pc-q35-7.2)")
@@ -435,13 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scrypt-log2n", type=int, help="scrypt cost of the key envelope (default 15)")
     credentials(p)
     p = cmd(parcels, "list", "parcel_list", "list parcels")
-    p.add_argument("--owner")
+    p.add_argument("--owner", help="only this user's parcels")
     p = cmd(parcels, "show", "parcel_show", "show a parcel, its lock and versions")
     p.add_argument("parcel", help="UUID or owner/name")
     p = cmd(parcels, "copy", "parcel_copy", "copy a parcel's current version into a new parcel")
     p.add_argument("parcel", help="UUID or owner/name")
-    p.add_argument("--owner", required=True)
-    p.add_argument("--name", required=True)
+    p.add_argument("--owner", required=True, help="the user who owns the copy")
+    p.add_argument("--name", required=True, help="the copy's name")
     p.add_argument("--scrypt-log2n", type=int, help="scrypt cost of the new key envelope (default 15)")
     credentials(p)
     credentials(p, "new-")
@@ -449,28 +458,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("parcel", help="UUID or owner/name")
     p.add_argument("--force", action="store_true", help="even if it is locked")
 
-    versions = top.add_parser("version", help="versions").add_subparsers(dest="verb", required=True)
+    versions = noun("version", "versions")
     p = cmd(versions, "list", "version_list", "list a parcel's versions")
     p.add_argument("parcel", help="UUID or owner/name")
     p = cmd(versions, "prune", "version_prune", "delete all but the newest N versions")
     p.add_argument("parcel", help="UUID or owner/name")
-    p.add_argument("--keep", type=int, required=True)
+    p.add_argument("--keep", type=int, required=True, metavar="N", help="how many of the newest versions to keep")
     p = cmd(versions, "rollback", "version_rollback", "make a new version with an older version's content")
     p.add_argument("parcel", help="UUID or owner/name")
-    p.add_argument("version", type=int)
+    p.add_argument("version", type=int, help="the older version whose content the new version gets")
     p.add_argument("--force", action="store_true", help="break a client's lock to do it")
     credentials(p)
 
-    locks = top.add_parser("lock", help="locks").add_subparsers(dest="verb", required=True)
+    locks = noun("lock", "locks")
     p = cmd(locks, "show", "lock_show", "show one parcel's lock, or every held lock")
     p.add_argument("parcel", nargs="?", help="UUID or owner/name")
     p = cmd(locks, "break", "lock_break", "break a parcel's lock")
     p.add_argument("parcel", help="UUID or owner/name")
-    p.add_argument("--reason", default="")
+    p.add_argument("--reason", default="", help="recorded in the audit log")
 
     p = cmd(top, "gc", "gc", "delete chunks that no version references (safe while clients upload)")
     p.add_argument("--grace", type=float, help="keep chunks touched this recently (seconds; default server.gc_grace_seconds)")
-    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="count what would be deleted; delete nothing")
     p = cmd(top, "fsck", "fsck", "re-hash every chunk and check every version is complete")
     p.add_argument("--repair", action="store_true", help="delete corrupt objects and forget missing ones")
     cmd(top, "usage", "usage", "bytes stored, dedup ratio, per user")
@@ -481,12 +490,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the address users reach the server at (default: from server.listen and the certificate)")
     p = cmd(top, "audit", "audit", "show the audit log (lock actions, commits, admin actions)")
     p.add_argument("--parcel", help="UUID or owner/name")
-    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--limit", type=int, default=100, metavar="N", help="the newest N entries (default 100)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.func is None:
+        args.help_of.print_help(sys.stderr)
+        return 2
     admin = None
     try:
         config = load_config(args)

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,9 @@ from .tls import ensure_certificate
 
 log = logging.getLogger("server")
 
+#: `--version` of isr-server and isr-admin: the installed project's version (VERSION at the top of the tree).
+VERSION_TEXT = f"%(prog)s {metadata.version('isr')}"
+
 _GRANIAN_LOGGING = {
     "handlers": {
         "console": {"formatter": "generic", "class": "logging.StreamHandler", "stream": "ext://sys.stderr"},
@@ -38,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="isr-server",
         description="Serve ISR parcels over HTTPS. Settings come from the config file (TOML), then flags.")
+    parser.add_argument("--version", action="version", version=VERSION_TEXT, help="print the version and exit")
     parser.add_argument("-c", "--config", help="config file (default: $ISR_SERVER_CONFIG, else built-in defaults)")
     parser.add_argument("--listen", help="host:port to listen on (port 0: any free port)")
     parser.add_argument("--data-dir", help="directory for the default database, chunks and certificate")

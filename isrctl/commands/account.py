@@ -5,7 +5,6 @@ import argparse
 import base64
 import getpass
 import hashlib
-import os
 import socket
 import sys
 import uuid
@@ -15,6 +14,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from parcels.envelope import new_keyfile, wrap_envelope
+from parcels.secretsource import read_secret
 
 from .. import config as configmod
 from .. import paths
@@ -40,14 +40,12 @@ def cmd_login(args: argparse.Namespace) -> int:
     if seen != fingerprint:
         raise IsrError(f"{url} presents the certificate {seen}, not the {fingerprint} you gave: not logging in "
                        f"(check the fingerprint isr-server printed)")
-    if args.password_env:
-        password = os.environ.get(args.password_env)
-        if not password:
-            raise CredentialError(f"environment variable {args.password_env} (--password-env) is not set")
-    elif sys.stdin.isatty():
+    password = read_secret(file=args.password_file, env=args.password_env, option="--password")
+    if password is None:
+        if not sys.stdin.isatty():
+            raise CredentialError("no password: run from a terminal or give --password-file FILE|- or "
+                                  "--password-env VAR")
         password = getpass.getpass(f"password of {args.user} on {url}: ")
-    else:
-        raise CredentialError("no password: run from a terminal or give --password-env VAR")
     site = args.site or configmod.default_site()
     with Remote(url, fingerprint=fingerprint) as remote:
         token = remote.login(args.user, password, label=f"isr on {socket.gethostname()} ({site})"[:100])
@@ -76,28 +74,30 @@ def cmd_passwd(args: argparse.Namespace) -> int:
         parcel_keys = client.unlock(parcel["id"], common.parcel_credential(args, parcel["name"]))
         keyfile: bytes | None = None
         passphrase: str | None = None
-        if args.new_keyfile:
-            new_key = Path(args.new_keyfile)
+        if args.new_key_file:
+            if args.new_passphrase_file or args.new_passphrase_env:
+                raise CredentialError("give either a new passphrase or --new-key-file, not both")
+            new_key = Path(args.new_key_file)
             if new_key.exists():
                 raise IsrError(f"{new_key} exists: give a new file name for the new key file")
             keyfile = new_keyfile()
-        elif args.new_passphrase_env:
-            passphrase = os.environ.get(args.new_passphrase_env)
-            if not passphrase:
-                raise CredentialError(f"environment variable {args.new_passphrase_env} is not set")
-        elif sys.stdin.isatty():
+        else:
+            passphrase = read_secret(file=args.new_passphrase_file, env=args.new_passphrase_env,
+                                     option="--new-passphrase")
+        if keyfile is None and passphrase is None:
+            if not sys.stdin.isatty():
+                raise CredentialError("no new passphrase: give --new-passphrase-file FILE|-, --new-passphrase-env "
+                                      "VAR or --new-key-file FILE")
             passphrase = getpass.getpass("new passphrase: ")
             if not passphrase or passphrase != getpass.getpass("again: "):
                 raise CredentialError("the two passphrases differ (or are empty); nothing changed")
-        else:
-            raise CredentialError("no new passphrase: give --new-passphrase-env VAR or --new-keyfile FILE")
         envelope = wrap_envelope(uuid.UUID(parcel["id"]), parcel_keys.parcel_key, parcel_keys.convergence_secret,
                                  passphrase=passphrase, keyfile=keyfile)
         with state.locked(), holding_lock(client, state, parcel) as (lock, _, _):
             if keyfile is not None:
-                configmod.write_private(Path(args.new_keyfile), keyfile)
+                configmod.write_private(Path(args.new_key_file), keyfile)
             client.remote.put_key_envelope(parcel["id"], envelope, lock.nonce)
             state.save_envelope(envelope)
     print(f"changed the {'key file' if keyfile else 'passphrase'} of {parcel['name']}"
-          + (f"; the new key file is {args.new_keyfile}" if keyfile else ""))
+          + (f"; the new key file is {args.new_key_file}" if keyfile else ""))
     return 0

@@ -42,8 +42,9 @@ def cache_limit() -> str:
 
 
 def parcel_credential(args: argparse.Namespace, name: str = "") -> keymod.Credential:
-    return keymod.obtain_credential(passphrase_env=getattr(args, "passphrase_env", None),
-                                    keyfile=getattr(args, "keyfile", None),
+    return keymod.obtain_credential(passphrase_file=getattr(args, "passphrase_file", None),
+                                    passphrase_env=getattr(args, "passphrase_env", None),
+                                    key_file=getattr(args, "key_file", None),
                                     prompt=f"passphrase of parcel {name}: " if name else "parcel passphrase: ")
 
 

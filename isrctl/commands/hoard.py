@@ -18,7 +18,7 @@ from . import common
 def cmd_hoard(args: argparse.Namespace) -> int:
     reporter = common.make_reporter(args)
     keyless = args.no_key
-    if not keyless and not (args.passphrase_env or args.keyfile) and not sys.stdin.isatty():
+    if not keyless and not (args.passphrase_file or args.passphrase_env or args.key_file) and not sys.stdin.isatty():
         reporter.say("no key given and no terminal to ask for one: hoarding without the key (--no-key)")
         keyless = True
     with Client() as client:

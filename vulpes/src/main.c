@@ -23,8 +23,6 @@
 #include "mount.h"
 #include "log.h"
 
-#define VULPES_VERSION "0.1.0"
-
 typedef struct Options {
         char *state_dir;
         char *cache_dir;
@@ -118,7 +116,8 @@ static void usage(const char *program) {
                "  --kernel-readahead=KIB the kernel's readahead on the mount, which is also the read-around of\n"
                "                         a page fault on the mapped memory image (default 32; at most 128)\n"
                "  --log-level=LEVEL      error, warning, info (default), debug\n"
-               "  -d, -o OPT             libfuse options\n",
+               "  -d, -o OPT             libfuse options\n"
+               "  -V, --version          print the version and exit\n",
                program);
 }
 
@@ -273,7 +272,7 @@ int main(int argc, char *argv[]) {
                 goto out_options;
         }
         if (o.show_version) {
-                printf("vulpes %s (libfuse %d)\n", VULPES_VERSION, fuse_version());
+                printf("vulpes %s (libfuse %d)\n", ISR_VERSION, fuse_version());
                 status = EXIT_SUCCESS;
                 goto out_options;
         }

@@ -74,7 +74,8 @@ static const char usage_text[] =
         "  --usage                 say what the cache holds, from its index, and exit\n"
         "  --owner=STATE           with --usage: also the bytes pinned by that parcel's state directory\n"
         "  --unpin=STATE           drop every pin of that parcel's state directory, and exit\n"
-        "  --log-level=LEVEL       error, warning, info (default), debug\n";
+        "  --log-level=LEVEL       error, warning, info (default), debug\n"
+        "  --version               print the version and exit\n";
 
 typedef struct Options {
         const char *cache_dir, *server_url, *token_file, *ca_file, *pinned_key, *tags_path, *cache_limit;
@@ -330,7 +331,7 @@ static bool parse_unsigned(const char *text, unsigned *ret) {
         return true;
 }
 
-/* Parses and validates; returns 0, 1 for --help, or -EINVAL after one line saying what to change. */
+/* Parses and validates; returns 0, 1 for --help, 2 for --version, or -EINVAL after one line saying what to change. */
 static int options_parse(int argc, char **argv, Options *o) {
         static const struct option options[] = {
                 { "cache", required_argument, NULL, 'c' },
@@ -349,6 +350,7 @@ static int options_parse(int argc, char **argv, Options *o) {
                 { "owner", required_argument, NULL, 'o' },
                 { "unpin", required_argument, NULL, 'U' },
                 { "help", no_argument, NULL, 'h' },
+                { "version", no_argument, NULL, 'V' },
                 {},
         };
         int c, index = 0, level;
@@ -364,6 +366,7 @@ static int options_parse(int argc, char **argv, Options *o) {
                 case 'g': o->tags_path = optarg; break;
                 case 'l': o->cache_limit = optarg; break;
                 case 'h': return 1;
+                case 'V': return 2;
                 case 'u': o->usage = true; break;
                 case 'o': o->owner = optarg; break;
                 case 'U': o->unpin = optarg; break;
@@ -504,8 +507,10 @@ int main(int argc, char **argv) {
         log_set_ident("vulpes-fetch");
         r = options_parse(argc, argv, &o);
         if (r != 0) {
-                if (r > 0)
+                if (r == 1)
                         fputs(usage_text, stdout);
+                else if (r == 2)
+                        printf("vulpes-fetch %s\n", ISR_VERSION);
                 return r > 0 ? EXIT_SUCCESS : EXIT_USAGE;
         }
         if (o.usage)

@@ -1,0 +1,142 @@
+"""The conventions every program of ISR keeps (issue 18): one version everywhere, help for every option, help
+for a bare command, the same credential options with the same sources in `isr` and `isr-admin` (the old names
+still work, hidden), and `--json` results of the commands that report one. Each through the installed
+entry points (.venv/bin/isr, isr-admin, isr-server) and the built vulpes binaries."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from isrctl.cli import build_parser as isr_parser
+from server.admin import build_parser as admin_parser
+from server.main import build_parser as server_parser
+from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
+from tests.isr_fixtures import IsrEnv, Site, isr_env, one_line_error  # noqa: F401  (isr_env: pytest fixture)
+from tests.server_fixtures import BIN, image_with_data
+
+pytestmark = pytest.mark.timeout(300)
+
+PARSERS = {"isr": isr_parser, "isr-admin": admin_parser, "isr-server": server_parser}
+
+
+def run(*args: str, input_text: str | None = None, env: dict[str, str] | None = None
+        ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=60, input=input_text,
+                          env={**os.environ, **(env or {})})
+
+
+def test_every_program_prints_the_one_version(source_dir: Path, build_dir: Path) -> None:
+    version = (source_dir / "VERSION").read_text().strip()
+    pyproject = (source_dir / "pyproject.toml").read_text()
+    assert 'version = { file = "VERSION" }' in pyproject and not re.search(r"^version = \"", pyproject, re.M)
+    for program in ("isr", "isr-admin", "isr-server"):
+        out = run(str(BIN / program), "--version")
+        assert out.returncode == 0 and out.stdout == f"{program} {version}\n", (program, out)
+    for program in ("vulpes", "vulpes-fetch"):
+        out = run(str(build_dir / "vulpes" / program), "--version")
+        assert out.returncode == 0 and out.stdout.startswith(f"{program} {version}"), (program, out)
+
+
+def options_without_help(parser: argparse.ArgumentParser, path: str) -> Iterator[str]:
+    """Every argument and subcommand under ``parser`` that has no help text (a hidden one has SUPPRESS)."""
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            continue
+        if isinstance(action, argparse._SubParsersAction):
+            helped = {choice.dest for choice in action._choices_actions}
+            for name, sub in action.choices.items():
+                if name not in helped:
+                    yield f"{path} {name}"
+                yield from options_without_help(sub, f"{path} {name}")
+        elif not action.help:
+            yield f"{path} {'/'.join(action.option_strings) or action.dest}"
+
+
+def test_every_option_and_command_has_help() -> None:
+    missing = [m for name, build in PARSERS.items() for m in options_without_help(build(), name)]
+    assert missing == [], f"options or commands without help text: {missing}"
+    # The check bites: an option added without help is found.
+    parser = isr_parser()
+    parser.add_argument("--undocumented")
+    assert list(options_without_help(parser, "isr")) == ["isr --undocumented"]
+
+
+def test_a_bare_command_prints_its_help() -> None:
+    for args, shows in ((["isr"], ["resume", "suspend", "hoard"]),
+                        (["isr-admin"], ["user", "parcel", "gc", "fsck"]),
+                        (["isr-admin", "user"], ["add", "password", "list"]),
+                        (["isr-admin", "version"], ["prune", "rollback"])):
+        out = run(str(BIN / args[0]), *args[1:])
+        assert out.returncode == 2, (args, out)
+        assert out.stderr.startswith(f"usage: {' '.join(args)} ") and "required" not in out.stderr, out.stderr
+        for word in shows:
+            assert f"\n    {word} " in out.stderr, (args, word, out.stderr)
+
+
+def test_admin_takes_secrets_from_a_file_stdin_or_the_environment(tmp_path: Path) -> None:
+    data = tmp_path / "srv"
+
+    def admin(*args: str, input_text: str | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+        return run(str(BIN / "isr-admin"), "--data-dir", str(data), "--json", *args, input_text=input_text, env=env)
+
+    assert admin("user", "add", "alice", "--password-env", "ALICE_PW", ALICE_PW="from-env").returncode == 0
+    unset = admin("user", "password", "alice", "--password-env", "ISR_NOT_SET")
+    assert unset.returncode == 1 and unset.stderr == \
+        "isr-admin: environment variable ISR_NOT_SET (--password-env) is not set\n"
+    assert admin("user", "password", "alice", "--password-file", "-", input_text="from-stdin\n").returncode == 0
+    disk = tmp_path / "disk.raw"
+    image_with_data(disk, 1 << 20, seed=3, data_ranges=[(0, 64 << 10)])
+    made = admin("parcel", "create", "--owner", "alice", "--name", "p", "--disk", str(disk), "--ram", "16",
+                 "--scrypt-log2n", "10", "--passphrase-env", "PARCEL_PW", PARCEL_PW="parcel secret")
+    assert made.returncode == 0, made.stderr
+    parcel = json.loads(made.stdout)["id"]
+    key = tmp_path / "new.key"
+    key.write_bytes(os.urandom(32))
+    wrong = admin("parcel", "copy", parcel, "--owner", "alice", "--name", "q", "--passphrase-file", "-",
+                  "--new-key-file", str(key), input_text="not the secret\n")
+    assert wrong.returncode == 1 and wrong.stderr.count("\n") == 1, wrong.stderr
+    copied = admin("parcel", "copy", parcel, "--owner", "alice", "--name", "q", "--passphrase-file", "-",
+                   "--new-key-file", str(key), input_text="parcel secret\n")
+    assert copied.returncode == 0, copied.stderr
+    again = admin("parcel", "copy", json.loads(copied.stdout)["id"], "--owner", "alice", "--name", "r",
+                  "--key-file", str(key), "--new-passphrase-env", "NEW_PW", NEW_PW="third")
+    assert again.returncode == 0, again.stderr
+    both = admin("parcel", "copy", parcel, "--owner", "alice", "--name", "s", "--passphrase-env", "PARCEL_PW",
+                 "--key-file", str(key))
+    assert both.returncode == 2 and "not allowed with" in both.stderr, both.stderr
+
+
+def test_isr_credential_options_and_their_old_names(isr_env: IsrEnv, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    parcel = isr_env.make_parcel()
+    site = Site("A", tmp_path / "A", isr_env)
+    try:
+        site.isr("login", site.server_url, "--user", "alice", "--fingerprint", isr_env.fingerprint,
+                 "--password-file", "-", input_text=site.environ()["ISR_TEST_PASSWORD"] + "\n")
+        site.isr("checkout", parcel.name, "--key-file", str(parcel.keyfile))
+        site.isr("checkout", parcel.name, "--keyfile", str(parcel.keyfile))      # the old name, hidden
+        assert "--keyfile" not in site.isr("checkout", "--help").stdout
+        # passwd: the old credential from a file, the new passphrase from the second line of stdin.
+        site.isr("passwd", parcel.name, "--key-file", str(parcel.keyfile), "--new-passphrase-file", "-",
+                 input_text="new passphrase\n")
+        one_line_error(site.isr("checkout", parcel.name, "--key-file", str(parcel.keyfile), check=False), "try again")
+        site.isr("checkout", parcel.name, "--passphrase-file", "-", input_text="new passphrase\n")
+        monkeypatch.setenv("PARCEL_PW", "new passphrase")
+        new_key = tmp_path / "new.key"
+        site.isr("passwd", parcel.name, "--passphrase-env", "PARCEL_PW", "--new-keyfile", str(new_key))
+        assert new_key.stat().st_size >= 32
+        site.isr("checkout", parcel.name, "--key-file", str(new_key))
+        empty = tmp_path / "empty"
+        empty.write_text("\n")
+        one_line_error(site.isr("checkout", parcel.name, "--passphrase-file", str(empty), check=False),
+                       str(empty), "--passphrase-file")
+        site.isr("clean", parcel.name)
+    finally:
+        site.cleanup()
