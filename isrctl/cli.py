@@ -25,8 +25,12 @@ from .commands.parcels import cmd_checkout, cmd_clean, cmd_discard, cmd_lock, cm
 from .commands.schedule import (cmd_calendar_add, cmd_calendar_ls, cmd_calendar_rm, cmd_schedule_run, cmd_schedule_set,
                                 cmd_schedule_show, cmd_site_add, cmd_site_ls, cmd_site_rm)
 from .commands.session import cmd_checkin, cmd_poweroff, cmd_resume, cmd_suspend, cmd_sync
+from .commands.view import cmd_console, cmd_viewer
+from .console import DETACH_NAME
+from .display import VIEWERS
 from .errors import IsrError, LockBroken, LockRefused
 from .remote import RemoteUnreachable
+from .session import POWEROFF_WAIT
 
 log = logging.getLogger("isrctl")
 
@@ -138,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true", help="return once the guest runs; the session keeps going")
     p.add_argument("--vnc", default="auto", metavar="WHERE",
                    help="VNC display: auto (first free 127.0.0.1:N), unix (a socket in the runtime dir), "
-                        "none, or a QEMU -vnc argument such as 127.0.0.1:3")
+                        "none, or a QEMU -vnc argument such as 127.0.0.1:3 (one not on loopback gets a password)")
     p.add_argument("--accel", choices=configmod.ACCELERATORS, help="accelerator (default from config: tcg)")
     p.add_argument("--lookaside", action="append", default=[], metavar="DIR",
                    help="look for chunks in this directory (e.g. a USB disk) before the server; repeatable")
@@ -285,12 +289,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reason", default="", help="recorded in the server's audit log")
     p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
 
-    p = cmd("poweroff", cmd_poweroff, "forget the saved RAM: the next resume boots cold",
-            "Power the VM off (a running one is stopped as if its plug were pulled). The version then checked\n"
-            "in has no device state and an all-zero memory image, so the next resume boots it cold.")
+    p = cmd("poweroff", cmd_poweroff, "shut the VM down (or forget the saved RAM): the next resume boots cold",
+            "Power the VM off. A running one is asked to shut down (the ACPI power button) and given --timeout\n"
+            "seconds to power itself off; then, or at once with --force, its plug is pulled. The version then\n"
+            "checked in has no device state and an all-zero memory image, so the next resume boots it cold.")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: the only one here)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help=f"how long a running guest may take to shut down (default {POWEROFF_WAIT:g})")
+    p.add_argument("--force", action="store_true", help="pull the plug of a running VM at once, as if cut off")
     p.add_argument("--no-checkin", action="store_true", help="keep the result here; `isr checkin` later")
     credentials(p)
+
+    p = cmd("console", cmd_console, "attach this terminal to the serial console of a VM running here",
+            "Attach to the serial console of the parcel's VM running at this site (also one resumed with\n"
+            "--detach, and while other clients are attached: all see the output, all may type). What the guest\n"
+            f"printed before is shown first. On a terminal every key goes to the guest; {DETACH_NAME} detaches.\n"
+            "Without a terminal, input and output are relayed as they are, for scripts; it ends once the input\n"
+            "has ended and the guest has been quiet for a second.")
+    p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: the only one running here)")
+
+    p = cmd("viewer", cmd_viewer, "show the display of a VM running here in a VNC viewer",
+            "Start a VNC viewer (" + ", ".join(VIEWERS) + ") on the display of the parcel's VM running\n"
+            "at this site; without one, or without a graphical session, print how to connect (address, port,\n"
+            "password). A display on a non-loopback address has a password (`isr resume --vnc HOST:N`).")
+    p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: the only one running here)")
+    p.add_argument("--print", action="store_true", help="only print how to connect")
 
     p = cmd("passwd", cmd_passwd, "change the parcel's passphrase (or switch to a key file)")
     p.add_argument("parcel", help="parcel name or UUID")

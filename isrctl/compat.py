@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from parcels import devices
 from parcels.manifest import Manifest
 
 from .errors import CompatibilityError
@@ -106,11 +107,7 @@ def check(manifest: Manifest, *, suspended: bool | None = None, host: HostQemu |
     if have and have < need:
         problems.append(f"the VM needs {vm.ram_mib} MiB of RAM (+{RAM_MARGIN_MIB} MiB for QEMU and vulpes); only "
                         f"{have} MiB are available here")
-    unknown_devices = {k: v for k, v in vm.devices.items()
-                       if (k, v) not in {("disk", "virtio-blk"), ("net", "none"), ("display", "vnc"),
-                                         ("display", "none")}}
-    if unknown_devices:
-        problems.append(f"devices {unknown_devices} are not supported by this isr")
+    problems += devices.problems(vm.devices)
     if problems:
         raise CompatibilityError(f"this PC cannot run parcel {manifest.name} version {manifest.version}:\n  "
                                  + "\n  ".join(problems))

@@ -1,7 +1,9 @@
 """A running session's control socket: the server side in the session, the client side in `isr`.
 
 The protocol is JSON lines on a Unix socket in the session's runtime directory (mode 0600). A request is
-``{"op": "status"}``, ``{"op": "suspend", "checkin": true}``, ``{"op": "poweroff", "checkin": ...}``,
+``{"op": "status"}``, ``{"op": "suspend", "checkin": true}``, ``{"op": "poweroff", "checkin": ..., "wait": 30,
+"force": false}`` (ask the guest to shut down and wait ``wait`` seconds before pulling the plug, or pull it at
+once),
 ``{"op": "continue"}`` (go on after a pause for lack of room) or ``{"op": "sync"}`` (upload what is dirty);
 progress streams back as the reporter's JSON messages (`progress.JsonReporter`), and the answer ends the
 exchange: ``{"ok": true, "result"|"status": {...}}`` or ``{"ok": false, "error": "...", "kind": ...}``.
@@ -39,6 +41,10 @@ class Request:
     result: dict[str, Any] | None = None
     error: str | None = None
     kind: str | None = None
+    #: poweroff: how long the guest may take to shut down when asked (None: the session's default), or
+    #: pull the plug at once (``force``).
+    wait: float | None = None
+    force: bool = False
 
 
 class ControlServer:
@@ -82,7 +88,8 @@ class ControlServer:
                     if op == "status":
                         write(json.dumps({"ok": True, "status": self.status()}) + "\n")
                     elif op in ("suspend", "poweroff", "continue", "sync"):
-                        req = Request(op, bool(request.get("checkin", True)), JsonReporter(write))
+                        req = Request(op, bool(request.get("checkin", True)), JsonReporter(write),
+                                      wait=_seconds(request.get("wait")), force=bool(request.get("force", False)))
                         self.submit(req)
                         req.done.wait()
                         try:
@@ -100,6 +107,13 @@ class ControlServer:
             self.listener.close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+
+
+def _seconds(value: Any) -> float | None:
+    """A number of seconds from a request (None if absent or not a finite number >= 0)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+        return None
+    return float(value)
 
 
 def request(state: ParcelState, op: str, reporter: Reporter, *, timeout: float | None = None,

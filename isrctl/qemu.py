@@ -88,6 +88,12 @@ class VMConfig:
     memory_file: Path | None = None
     #: A ``-vnc`` display argument (e.g. ``unix:/run/isr/vnc.sock`` or ``127.0.0.1:5``); adds a VGA card.
     vnc: str | None = None
+    #: QEMU's user-mode network on a virtio-net NIC (the guest is 10.0.2.15), with these ``hostfwd`` rules
+    #: (``tcp:127.0.0.1:2222-:22``; `parcels.devices.Forward`).
+    user_net: bool = False
+    host_forwards: tuple[str, ...] = ()
+    #: A virtio-rng device fed from the host's /dev/urandom.
+    rng: bool = False
     #: Make a guest reset end QEMU (``-action reboot=shutdown``; `VM.shutdown_reason` then says
     #: ``guest-reset``) instead of restarting the machine in place: for a VM resumed without its boot files,
     #: which a reset inside QEMU could not boot again.
@@ -112,6 +118,8 @@ class VMConfig:
             raise VMError(f"implausible VM size: {self.memory_mib} MiB RAM, {self.smp} CPUs")
         if (self.initrd or self.cmdline) and not self.kernel:
             raise VMError("an initrd or kernel command line needs a kernel")
+        if self.host_forwards and not self.user_net:
+            raise VMError("port forwards need the user-mode network")
 
     def command_line(self, *, qmp_socket: Path, serial_socket: Path, incoming: bool = False) -> list[str]:
         """The full QEMU command line for this configuration, with the given control sockets."""
@@ -144,6 +152,11 @@ class VMConfig:
                  "-serial", "chardev:serial0"]
         if self.vnc is not None:
             args += ["-device", "VGA", "-vnc", self.vnc]
+        if self.user_net:
+            netdev = "user,id=net0" + "".join(f",hostfwd={_qemu_opt(rule)}" for rule in self.host_forwards)
+            args += ["-netdev", netdev, "-device", "virtio-net-pci,netdev=net0"]
+        if self.rng:
+            args += ["-object", "rng-random,id=rng0,filename=/dev/urandom", "-device", "virtio-rng-pci,rng=rng0"]
         if self.reset_exits:
             args += ["-action", "reboot=shutdown"]
         if incoming:

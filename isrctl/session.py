@@ -801,10 +801,9 @@ class Session:
         if kind == SUSPENDED:
             reporter.say(f"the VM state is safe at this site after {safe:.1f} s "
                          f"({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})")
-        if checkin and not self._server_answers():
-            reporter.say("the server does not answer: the new state stays at this site (and so does the lock)")
+        unreachable = checkin and not self._server_answers()
+        if unreachable:
             checkin = False
-            self.exit_code = 1
         if checkin and kind == SUSPENDED:
             self._vulpes_upload(reporter)
             t = _lap(phases, "upload (vulpes)", t)
@@ -817,6 +816,11 @@ class Session:
                          f"resume boots cold")
         result["suspend_seconds"] = round(safe, 3)
         result["version"] = self.base_version
+        if unreachable:
+            # Asked to check in and could not even start: the command fails, in one line, like a checkin that
+            # fails part way (it used to exit 0 with a note in its output).
+            raise SessionError(f"the server does not answer: the new state is kept at this site, and so is the "
+                               f"lock: `isr checkin {self.options.name}` when it is back")
         if checkin:
             result.update(self._checkin(reporter))
         else:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from parcels import crypto, envelope, seal
+from parcels import devices as devices_mod
 from parcels.chunk import DEFAULT_CHUNK_SIZE, chunk_length, decode_chunk, encode_chunk, is_zero, valid_chunk_size
 from parcels.errors import FormatError, ImageError, NotFoundError, ParcelError
 from parcels.image import SparseImageWriter, image_size, raw_image, read_chunks
@@ -35,7 +36,6 @@ extract, chunk objects for verify."""
 DEFAULT_MACHINE = "pc-q35-7.2"
 DEFAULT_CPU = "qemu64"
 DEFAULT_SMP = 1
-DEFAULT_DEVICES = {"disk": "virtio-blk", "net": "none", "display": "vnc"}
 _VM_KEYS = {"machine", "cpu", "smp", "qemu_version", "devices"}
 _BOOT_BLOBS = ("kernel", "initrd")
 
@@ -128,7 +128,10 @@ def _vm_config(vm: dict[str, Any] | None, ram_mib: int, boot: BootConfig | None)
         raise FormatError(f"unknown vm settings {sorted(unknown)}: allowed are {sorted(_VM_KEYS)}")
     if not isinstance(vm.get("devices", {}), dict):
         raise FormatError("vm devices must be a mapping of device role to model")
-    devices = {**DEFAULT_DEVICES, **vm.get("devices", {})}
+    devices = {**devices_mod.DEFAULT, **vm.get("devices", {})}
+    if devices_mod.FORWARD in devices:
+        devices[devices_mod.FORWARD] = devices_mod.format_forwards(devices_mod.forwards(devices))
+    devices_mod.check(devices)
     return VMConfig(machine=vm.get("machine", DEFAULT_MACHINE), cpu=vm.get("cpu", DEFAULT_CPU), ram_mib=ram_mib,
                     smp=vm.get("smp", DEFAULT_SMP), devices=devices, qemu_version=vm.get("qemu_version"),
                     boot=boot)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from isrprogress import Reporter, TerminalReporter, human_bytes as size
+from parcels import devices
 from parcels.errors import ParcelError
 from parcels.secretsource import read_key_file, read_secret
 
@@ -240,6 +241,24 @@ class Admin:
         ops.remove_parcel(self.meta, self.store, parcel, force=args.force)
         self.out({"removed": parcel}, lambda: f"removed parcel {parcel} (run gc to free its chunks)")
 
+    def parcel_set(self, args: argparse.Namespace) -> None:
+        parcel = self.parcel_id(args.parcel)
+        changes: dict[str, str] = {}
+        if args.forward is not None or args.no_forwards:
+            try:
+                changes[devices.FORWARD] = devices.format_forwards(devices.parse_forwards(args.forward or []))
+            except ParcelError as e:
+                raise AdminError(str(e)) from None
+        for role in ("net", "rng"):
+            if getattr(args, role) is not None:
+                changes[role] = getattr(args, role)
+        if not changes:
+            raise AdminError("nothing to set: give --forward, --no-forwards, --net or --rng")
+        passphrase, keyfile = _credential(args, "passphrase: ")
+        new = ops.set_devices(self.meta, self.store, parcel, changes, passphrase=passphrase, keyfile=keyfile)
+        self.out({"parcel": parcel, "version": new, "devices": changes},
+                 lambda: f"version {new} of {parcel} has " + ", ".join(f"{k}={v or '(none)'}" for k, v in changes.items()))
+
     # --- versions ---------------------------------------------------------------------------------
 
     @staticmethod
@@ -457,6 +476,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd(parcels, "remove", "parcel_remove", "remove a parcel and all its versions")
     p.add_argument("parcel", help="UUID or owner/name")
     p.add_argument("--force", action="store_true", help="even if it is locked")
+    p = cmd(parcels, "set", "parcel_set", "change the VM's network, port forwards or rng (makes a new version)")
+    p.add_argument("parcel", help="UUID or owner/name")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--forward", action="append", metavar="SPEC",
+                       help="forward a host port to the guest, [tcp:|udp:][HOSTADDR:]HOSTPORT-[GUESTADDR:]GUESTPORT "
+                            "(host address default 127.0.0.1), e.g. tcp:2222-:22; repeatable; replaces the forwards")
+    group.add_argument("--no-forwards", action="store_true", help="remove every port forward")
+    p.add_argument("--net", choices=devices.MODELS["net"], help="user-mode network on a virtio NIC, or no NIC")
+    p.add_argument("--rng", choices=devices.MODELS["rng"], help="a virtio random number generator, or none")
+    credentials(p)
 
     versions = noun("version", "versions")
     p = cmd(versions, "list", "version_list", "list a parcel's versions")

@@ -19,13 +19,15 @@ from typing import Any
 
 from isrprogress import NullReporter, Reporter
 
+from parcels import devices
 from parcels.envelope import DEFAULT_LOG2N, unwrap_envelope, wrap_envelope
-from parcels.manifest import Timestamps, open_manifest, seal_manifest, utc_now
+from parcels.errors import FormatError
+from parcels.manifest import Manifest, Timestamps, VMConfig, open_manifest, seal_manifest, utc_now
 from parcels.parcel import create_parcel as build_parcel
 from parcels.store import DirStore
 
 from . import auth
-from .errors import Conflict, NotFound, ServerError
+from .errors import BadRequest, Conflict, NotFound, ServerError
 from .meta import MetaStore, unpack_tags
 from .names import TAG_RE
 from .store import ObjectStore, chunk_key, envelope_key, staging_prefix, version_prefix
@@ -199,12 +201,46 @@ def _keys(store: ObjectStore, parcel: str, passphrase: str | None, keyfile: byte
 
 
 def _resealed_manifest(store: ObjectStore, parcel: str, version: int, parcel_key: bytes, *, new_parcel: str,
-                       new_version: int, parent: int | None) -> bytes:
+                       new_version: int, parent: int | None,
+                       change_vm: Callable[[Manifest], VMConfig] | None = None) -> bytes:
     manifest = open_manifest(parcel_key, store.get_bytes(version_prefix(parcel, version) + "manifest"),
                              parcel=uuid.UUID(parcel), version=version)
     changed = dataclasses.replace(manifest, parcel=uuid.UUID(new_parcel), version=new_version, parent=parent,
-                                  timestamps=Timestamps(created=utc_now(), suspended=manifest.timestamps.suspended))
+                                  timestamps=Timestamps(created=utc_now(), suspended=manifest.timestamps.suspended),
+                                  vm=change_vm(manifest) if change_vm else manifest.vm)
     return seal_manifest(parcel_key, changed)
+
+
+def set_devices(meta: MetaStore, store: ObjectStore, parcel: str, changes: dict[str, str], *,
+                passphrase: str | None = None, keyfile: bytes | None = None) -> int:
+    """Make a new version whose content is the current one's with these ``vm.devices`` changed (a value ""
+    removes the role); the manifest is re-sealed, which needs the parcel key. The VM's hardware (`devices.HARDWARE`:
+    the NIC, the rng, ...) cannot change under a suspended VM, whose saved state needs it as it was; the
+    forwards can. Returns the new version number."""
+    info = meta.get_parcel(parcel)
+    if info.current_version == 0:
+        raise Conflict(f"parcel {parcel} has no version to change", code="no_versions")
+    parcel_key, _ = _keys(store, parcel, passphrase, keyfile)
+    current = info.current_version
+
+    def change_vm(manifest: Manifest) -> VMConfig:
+        new = {**manifest.vm.devices, **changes}
+        new = {role: model for role, model in new.items() if model}
+        try:
+            devices.check(new)
+        except FormatError as exc:
+            raise BadRequest(str(exc)) from None
+        moved = [role for role in devices.HARDWARE if new.get(role) != manifest.vm.devices.get(role)]
+        if manifest.suspended and moved:
+            raise Conflict(f"version {current} holds a suspended VM, whose saved state needs its {', '.join(moved)} "
+                           f"device as it is: power it off first (`isr poweroff`)", code="suspended")
+        return dataclasses.replace(manifest.vm, devices=new)
+
+    source = meta.get_version(parcel, current)
+    blobs: dict[str, bytes | str] = {b["name"]: version_prefix(parcel, current) + b["name"] for b in source.blobs}
+    blobs["manifest"] = _resealed_manifest(store, parcel, current, parcel_key, new_parcel=parcel,
+                                           new_version=current + 1, parent=current, change_vm=change_vm)
+    return commit_local_version(meta, store, parcel, info.owner_id, blobs, meta.version_tags(parcel, current))
 
 
 def rollback(meta: MetaStore, store: ObjectStore, parcel: str, target: int, *, passphrase: str | None = None,

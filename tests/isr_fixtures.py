@@ -114,16 +114,18 @@ class IsrEnv:
     def url(self, host: str = "127.0.0.1") -> str:
         return f"https://{host}:{self.port}"
 
-    def make_parcel(self, name: str | None = None, owner: str = "alice", ram_mib: int = 256) -> Parcel:
-        """A new parcel from the test guest (version 1, powered off) with ``ram_mib`` MiB of guest RAM,
-        protected by a fresh key file."""
+    def make_parcel(self, name: str | None = None, owner: str = "alice", ram_mib: int = 256,
+                    vm: dict[str, Any] | None = None) -> Parcel:
+        """A new parcel from the test guest (version 1, powered off) with ``ram_mib`` MiB of guest RAM and the VM
+        settings ``vm`` (isr-admin's ``--vm``), protected by a fresh key file."""
         name = name or f"p{secrets.token_hex(4)}"
         keyfile = self.root / f"{name}.key"
         keyfile.write_bytes(os.urandom(32))
         result = self.server.admin("--json", "parcel", "create", "--owner", owner, "--name", name,
                                    "--disk", str(self.guest.disk), "--ram", str(ram_mib), "--machine", "pc-q35-7.2",
                                    "--kernel", str(self.guest.kernel), "--initrd", str(self.guest.initrd),
-                                   "--cmdline", KERNEL_CMDLINE, "--key-file", str(keyfile))
+                                   "--cmdline", KERNEL_CMDLINE, "--key-file", str(keyfile),
+                                   *(["--vm", json.dumps(vm)] if vm else []))
         return Parcel(name=name, id=json.loads(result.stdout)["id"], keyfile=keyfile)
 
     def extract_disk(self, parcel: Parcel, out: Path, version: int | None = None) -> Any:

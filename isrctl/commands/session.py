@@ -5,6 +5,7 @@ import argparse
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from isrprogress import human_bytes
 from parcels.manifest import IMAGES
@@ -84,7 +85,7 @@ def cmd_suspend(args: argparse.Namespace) -> int:
     return _end_session(args, "suspend")
 
 
-def _end_session(args: argparse.Namespace, op: str) -> int:
+def _end_session(args: argparse.Namespace, op: str, **fields: Any) -> int:
     reporter = common.make_reporter(args)
     state = common.local_state(args.parcel, want_session=True)
     info = state.session_info()
@@ -96,7 +97,7 @@ def _end_session(args: argparse.Namespace, op: str) -> int:
         checkout = state.checkout()
         raise StateError(f"{checkout.name if checkout else state.parcel} is not running at this site")
     started = time.monotonic()
-    result = control.request(state, op, reporter, checkin=not args.no_checkin)
+    result = control.request(state, op, reporter, checkin=not args.no_checkin, **fields)
     log.info("%s answered after %.2f s; waiting for the session to exit", op, time.monotonic() - started)
     if not detach.wait_for_exit(int(info["pid"]), timeout=300):
         raise IsrError(f"the session (pid {info['pid']}) did not exit after {op}; see {state.dir / 'session.log'}")
@@ -109,7 +110,9 @@ def _end_session(args: argparse.Namespace, op: str) -> int:
 def cmd_poweroff(args: argparse.Namespace) -> int:
     state = common.local_state(args.parcel)
     if state.session_info() is not None:
-        return _end_session(args, "poweroff")
+        if args.timeout is not None and args.timeout < 0:
+            raise IsrError(f"--timeout {args.timeout:g}: give a number of seconds >= 0")
+        return _end_session(args, "poweroff", wait=args.timeout, force=args.force)
     reporter = common.make_reporter(args)
     checkout = state.require_checkout()
     with state.locked():
