@@ -373,3 +373,144 @@ def test_schema_1_database_is_upgraded(tmp_path: Path) -> None:
 def test_server_logged_no_internal_error(server_env: ServerEnv) -> None:
     log = server_env.server.output()
     assert "unexpected error" not in log and "Traceback" not in log, log
+
+
+# --- my history, rollback, password ---------------------------------------------------------------------
+
+
+def committed_parcel(env: ServerEnv, owner: str, versions: int, name: str | None = None) -> str:
+    """A parcel of `owner` with `versions` versions committed through the API from host 'desk' (site 'home')."""
+    from tests.test_web_browser import commit_version
+
+    parcel = env.new_parcel(owner, name or f"r-{uuid.uuid4().hex[:8]}")
+    with env.client(owner) as client:
+        nonce = client.acquire(parcel, host="desk", site="home")["nonce"]
+        for parent in range(versions):
+            commit_version(client, parcel, nonce, parent, [os.urandom(1000 + parent)])
+        client.release(parcel, nonce)
+    return parcel
+
+
+def test_history_shows_what_happened_to_my_parcels_only(server_env: ServerEnv) -> None:
+    mine = committed_parcel(server_env, "alice", 1, f"diary-{uuid.uuid4().hex[:6]}")
+    theirs = committed_parcel(server_env, "bob", 1, f"bobs-{uuid.uuid4().hex[:6]}")
+    with server_env.client("alice") as office:
+        nonce = office.acquire(mine, host="office-pc", site="office")["nonce"]
+        office.report_dirty(mine, nonce, 3, 3 << 20)
+    with Web(server_env) as web, Web(server_env) as admin:
+        assert web.get("/history").headers["location"] == "/signin"
+        web.sign_in("alice")
+        admin.sign_in("root")
+        release = admin.post(f"/parcels/{mine}/release", release_form(admin, mine))
+        assert release.status_code == 303
+        page = web.get(f"/history?parcel={mine}")
+        assert page.status_code == 200, page.text
+        rows = re.findall(r"<tr><td><time>.*?</tr>", page.text)
+        # Newest first: the administrator's break, the office's lock, the release and commit from the desk.
+        assert "broke the lock of alice on office-pc (office) (released on the web page)" in rows[0]
+        assert "<td>root</td>" in rows[0]
+        assert "took the lock (resume or checkout) at version 1" in rows[1] and "office-pc (office)" in rows[1]
+        assert "released the lock" in rows[2] and "checked in version 1" in rows[3] and "desk (home)" in rows[3]
+        assert "renewed the lock" not in page.text  # renewals only on request
+        with_renewals = web.get(f"/history?parcel={mine}&renewals=1").text
+        assert "renewed the lock, reporting 3 unsynced chunk(s), 3.0 MiB" in with_renewals
+        everything = web.get("/history").text
+        assert mine in everything and theirs not in everything
+        assert web.get(f"/history?parcel={theirs}").status_code == 404  # bob's: not in my history
+        assert web.get("/history?parcel=not-a-uuid").status_code == 400
+        assert web.get("/history?before=x").status_code == 400
+
+
+def test_rollback_page_checks_the_version_and_the_lock(server_env: ServerEnv) -> None:
+    name = f"thesis-{uuid.uuid4().hex[:6]}"
+    parcel = committed_parcel(server_env, "alice", 3, name)
+    with Web(server_env) as web, Web(server_env) as bob:
+        web.sign_in("alice")
+        choose = web.get(f"/parcels/{parcel}/rollback")
+        assert choose.status_code == 200
+        links = re.findall(rf'href="/parcels/{parcel}/rollback\?version=(\d+)"', choose.text)
+        assert links == ["2", "1"], links  # the older versions, newest first; not the current one
+        chosen = web.get(f"/parcels/{parcel}/rollback?version=1")
+        assert chosen.status_code == 200
+        assert f"<code>isr rollback {name} 1</code>" in chosen.text and "commits version 4" in chosen.text
+        assert "sealed with the parcel" in chosen.text  # says why the server cannot do it itself
+        current = web.get(f"/parcels/{parcel}/rollback?version=3")
+        assert current.status_code == 409 and "already the current version" in current.text
+        assert "isr rollback" not in current.text
+        unknown = web.get(f"/parcels/{parcel}/rollback?version=9")
+        assert unknown.status_code == 404 and "has no version 9" in unknown.text
+        for bad in ("x", "-1", "1e3", "9" * 19):
+            assert web.get(f"/parcels/{parcel}/rollback?version={bad}").status_code == 400, bad
+        with server_env.client("alice") as office:
+            nonce = office.acquire(parcel, host="office-pc", site="office")["nonce"]
+            locked = web.get(f"/parcels/{parcel}/rollback?version=2")
+            assert locked.status_code == 409
+            assert "is locked by alice on office-pc (office)" in locked.text and f"/parcels/{parcel}/release" in locked.text
+            office.release(parcel, nonce)
+        bob.sign_in("bob")
+        assert bob.get(f"/parcels/{parcel}/rollback").status_code == 403
+        assert bob.get(f"/parcels/{parcel}/rollback?version=1").status_code == 403
+        assert web.get(f"/parcels/{uuid.uuid4()}/rollback").status_code == 404
+    assert server_env.admin_json("version", "list", parcel)[-1]["version"] == 3  # the page changed nothing
+
+
+def test_password_change(server_env: ServerEnv) -> None:
+    from isrctl.remote import AuthenticationFailed
+
+    user = "pw" + uuid.uuid4().hex[:8]
+    server_env.admin("user", "add", user, "--password-file", "-", input_text="first-password\n")
+    with server_env.server.client() as c:
+        token = c.login(user, "first-password", label="a PC")
+    with Web(server_env) as web, Web(server_env) as other:
+        assert web.sign_in(user, "first-password").status_code == 303
+        assert other.sign_in(user, "first-password").status_code == 303
+        form = web.get("/account/password")
+        assert form.status_code == 200 and 'name="current"' in form.text
+        csrf = web.csrf("/account/password")
+        change = {"csrf": csrf, "current": "first-password", "new": "second-password", "again": "second-password"}
+        # Refused: a wrong current password, new ones that differ, an empty one, another site's form, no token.
+        wrong = web.post("/account/password", {**change, "current": "guess"})
+        assert wrong.status_code == 403 and "current password is not right" in wrong.text
+        differ = web.post("/account/password", {**change, "again": "second-passw0rd"})
+        assert differ.status_code == 400 and "differ" in differ.text
+        assert web.post("/account/password", {**change, "new": "", "again": ""}).status_code == 400
+        assert web.post("/account/password", change, origin="https://evil.example").status_code == 403
+        assert web.post("/account/password", {**change, "csrf": "A" * 43}).status_code == 403
+        assert other.get("/").status_code == 200  # nothing changed so far: the other browser is still in
+        done = web.post("/account/password", change)
+        assert done.status_code == 303 and done.headers["location"] == "/account/password?done=changed"
+        assert any(c.startswith(SESSION_COOKIE + "=") for c in done.headers.get_list("set-cookie"))
+        notice = web.get(done.headers["location"])
+        assert notice.status_code == 200 and "Your password was changed" in notice.text  # this browser: new session
+        assert other.get("/").status_code == 303  # every other browser is signed out
+    with server_env.server.client(token=token) as pc:
+        assert pc.whoami()["user"] == user  # the isr client's token was kept
+    with server_env.server.client() as c, pytest.raises(AuthenticationFailed):
+        c.login(user, "first-password")
+    with Web(server_env) as web:
+        assert web.sign_in(user, "first-password").status_code == 401
+        assert web.sign_in(user, "second-password").status_code == 303
+        revoke = {"csrf": web.csrf(), "current": "second-password", "new": "third-password",
+                  "again": "third-password", "revoke": "yes"}
+        done = web.post("/account/password", revoke)
+        assert done.headers["location"] == "/account/password?done=revoked"
+    with server_env.server.client(token=token) as pc, pytest.raises(AuthenticationFailed):
+        pc.whoami()
+    changes = [e for e in server_env.admin_json("audit", "--limit", "1000")
+               if e["action"] == "user.password" and e["detail"]["user"] == user]
+    assert [(e["actor"], e["detail"]["tokens"]) for e in changes] == [(user, "kept"), (user, "revoked")]
+
+
+def test_wrong_current_passwords_are_throttled_like_sign_ins(server_env: ServerEnv) -> None:
+    user = "pt" + uuid.uuid4().hex[:8]
+    server_env.admin("user", "add", user, "--password-file", "-", input_text="right-password\n")
+    with Web(server_env) as web:
+        web.sign_in(user, "right-password")
+        csrf = web.csrf()
+        guess = {"csrf": csrf, "new": "x-password", "again": "x-password"}
+        for i in range(5):
+            assert web.post("/account/password", {**guess, "current": f"guess-{i}"}).status_code == 403
+        throttled = web.post("/account/password", {**guess, "current": "right-password"})
+        assert throttled.status_code == 429 and int(throttled.headers["retry-after"]) > 0
+    with Web(server_env) as web:
+        assert web.sign_in(user, "right-password").status_code == 429  # the same count as sign-ins

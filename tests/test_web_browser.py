@@ -65,10 +65,10 @@ def commit_version(client: Remote, parcel: str, nonce: str, parent: int, chunks:
     return client.commit(parcel, nonce, parent, REQUIRED_BLOBS, tags)
 
 
-def sign_in(page: Page, base: str, user: str) -> None:
+def sign_in(page: Page, base: str, user: str, password: str | None = None) -> None:
     page.goto(base + "/signin")
     page.fill("#user", user)
-    page.fill("#password", PASSWORDS[user])
+    page.fill("#password", password or PASSWORDS[user])
     page.click("form.stacked button[type=submit]")
     assert page.url == base + "/", page.text()
 
@@ -193,3 +193,93 @@ def test_hostile_names_stay_text_in_the_browser(web_env: ServerEnv, browser: Bro
         assert name in page.text() and site in page.text() and '"><b>host</b>' in page.text()
         assert page.evaluate("document.title") != "owned"
         assert page.problems() == []
+
+
+def test_my_history_and_rolling_back(web_env: ServerEnv, browser: Browser, shots: Path) -> None:
+    """A user reads what happened to a parcel (a site left it locked, an administrator released it), then
+    picks an older version to roll back to and gets the command that does it, refused while locked."""
+    base = web_env.server.url
+    parcel = web_env.new_parcel("alice", "diary")
+    block = [os.urandom(131072 + 28) for _ in range(4)]
+    with web_env.client("alice") as laptop:
+        nonce = laptop.acquire(parcel, host="laptop.example.org", site="home")["nonce"]
+        for parent in range(3):
+            commit_version(laptop, parcel, nonce, parent, block[:parent + 2])
+        laptop.release(parcel, nonce)
+        nonce = laptop.acquire(parcel, host=OFFICE_HOST, site=OFFICE_SITE)["nonce"]
+    with web_env.client("root") as admin:
+        admin.break_lock(parcel, reason="left running over the weekend")
+
+    page = browser.new_page(isolated=True)
+    sign_in(page, base, "alice")
+    page.click(f"#parcel-{parcel} a.history")
+    assert page.url == f"{base}/history?parcel={parcel}"
+    rows = page.text("table.history tbody").splitlines()
+    assert "broke the lock of alice on" in rows[0] and OFFICE_HOST in rows[0] and "root" in rows[0], rows
+    assert "left running over the weekend" in rows[0]
+    assert "took the lock (resume or checkout) at version 3" in rows[1] and OFFICE_HOST in rows[1], rows
+    assert [r for r in rows if "checked in version" in r][0].count("laptop.example.org (home)") == 1
+    assert "renewed" not in page.text("table.history")
+    assert_clean(page)
+    page.screenshot(shots / "my-history.png")
+
+    # Roll back: choose version 1 from the parcel's page.
+    page.goto(base + "/")
+    page.click(f"#parcel-{parcel} a.rollback")
+    assert page.url == f"{base}/parcels/{parcel}/rollback"
+    page.click(f'a[href="/parcels/{parcel}/rollback?version=1"]')
+    assert page.text("#rollback-command pre") == "isr rollback diary 1"
+    assert "commits version 4 with version 1's content" in page.text("#rollback-command")
+    assert page.count("#rollback-locked") == 0
+    assert_clean(page)
+    page.screenshot(shots / "rollback.png")
+    with web_env.client("alice") as office:
+        nonce = office.acquire(parcel, host=OFFICE_HOST, site=OFFICE_SITE)["nonce"]
+        page.goto(f"{base}/parcels/{parcel}/rollback?version=1")
+        warning = page.text("#rollback-locked")
+        assert f"is locked by alice on {OFFICE_HOST} ({OFFICE_SITE})" in warning and "release the lock" in warning
+        page.click("#rollback-locked a")
+        assert page.url == f"{base}/parcels/{parcel}/release"
+        office.release(parcel, nonce)
+
+
+def test_changing_my_password(web_env: ServerEnv, browser: Browser, shots: Path) -> None:
+    """The password form: a wrong current password is refused, the right one changes it, the old one no
+    longer signs in, another browser's session ends, and the new password works on the pages and the API."""
+    base = web_env.server.url
+    web_env.admin("user", "add", "carol", "--password-file", "-", input_text="carol-old-password\n")
+    elsewhere = browser.new_page(isolated=True)
+    sign_in(elsewhere, base, "carol", "carol-old-password")
+    page = browser.new_page(isolated=True)
+    sign_in(page, base, "carol", "carol-old-password")
+    page.click('nav a[href="/account/password"]')
+    assert page.url == base + "/account/password"
+    assert_clean(page)
+    page.screenshot(shots / "password.png")
+
+    page.fill("#current", "not-my-password")
+    page.fill("#new", "carol-new-password")
+    page.fill("#again", "carol-new-password")
+    page.click("form.stacked button[type=submit]")
+    assert "Your current password is not right." in page.text(".notice.error")
+
+    page.fill("#current", "carol-old-password")
+    page.fill("#new", "carol-new-password")
+    page.fill("#again", "carol-new-password")
+    page.click("form.stacked button[type=submit]")
+    assert page.url == base + "/account/password?done=changed"
+    assert "Your password was changed" in page.text(".notice")
+    page.goto(base + "/")
+    assert page.url == base + "/"  # this browser stays signed in (with a new session)
+    elsewhere.goto(base + "/")
+    assert elsewhere.url == base + "/signin"  # the other one was signed out
+
+    other = browser.new_page(isolated=True)
+    other.goto(base + "/signin")
+    other.fill("#user", "carol")
+    other.fill("#password", "carol-old-password")
+    other.click("form.stacked button[type=submit]")
+    assert "Wrong user name or password" in other.text()
+    sign_in(other, base, "carol", "carol-new-password")
+    with web_env.server.client() as api:
+        assert api.login("carol", "carol-new-password", label="test")

@@ -161,8 +161,11 @@ class MetaStore(abc.ABC):
         """Every user, by name."""
 
     @abc.abstractmethod
-    def set_password(self, name: str, pwhash: str) -> None:
-        """Change a password and revoke every token and web session of the user."""
+    def set_password(self, name: str, pwhash: str, *, actor: str = "isr-admin", remote: str = "",
+                     revoke_tokens: bool = True) -> None:
+        """Change a password and end every web session of the user; revoke their API tokens too unless
+        `revoke_tokens` is false (a change on the web page, where the user chooses). Audited as
+        ``user.password`` by `actor`."""
 
     @abc.abstractmethod
     def remove_user(self, name: str) -> None:
@@ -367,5 +370,7 @@ class MetaStore(abc.ABC):
         """Record an audit entry in its own transaction (for refusals and admin actions)."""
 
     @abc.abstractmethod
-    def list_audit(self, parcel: str | None = None, limit: int = 100, before: int | None = None) -> list[AuditEntry]:
-        """The newest `limit` entries (of one parcel), older than entry id `before` if given; oldest first."""
+    def list_audit(self, parcel: str | None = None, limit: int = 100, before: int | None = None, *,
+                   owner_id: int | None = None, skip_actions: Sequence[str] = ()) -> list[AuditEntry]:
+        """The newest `limit` entries (of one parcel; of the parcels `owner_id` owns), older than entry id
+        `before` if given, without the actions in `skip_actions`; oldest first."""

@@ -133,15 +133,18 @@ class SqlMeta(MetaStore):
             rows = cur.all("SELECT id, name, admin, created FROM users ORDER BY name")
         return [UserInfo(r[0], r[1], bool(r[2]), r[3]) for r in rows]
 
-    def set_password(self, name: str, pwhash: str) -> None:
+    def set_password(self, name: str, pwhash: str, *, actor: str = "isr-admin", remote: str = "",
+                     revoke_tokens: bool = True) -> None:
         with self._tx(write=True) as cur:
             row = cur.one("SELECT id FROM users WHERE name = ?", (name,))
             if row is None:
                 raise NotFound(f"no user {name}")
             cur.run("UPDATE users SET pwhash = ? WHERE id = ?", (pwhash, row[0]))
-            cur.run("DELETE FROM tokens WHERE user_id = ?", (row[0],))
+            if revoke_tokens:
+                cur.run("DELETE FROM tokens WHERE user_id = ?", (row[0],))
             cur.run("DELETE FROM web_sessions WHERE user_id = ?", (row[0],))
-            self._audit(cur, "isr-admin", "user.password", None, "", {"user": name})
+            self._audit(cur, actor, "user.password", None, remote,
+                        {"user": name, "tokens": "revoked" if revoke_tokens else "kept"})
 
     def remove_user(self, name: str) -> None:
         with self._tx(write=True) as cur:
@@ -555,12 +558,19 @@ class SqlMeta(MetaStore):
         with self._tx(write=True) as cur:
             self._audit(cur, actor, action, parcel, remote, detail)
 
-    def list_audit(self, parcel: str | None = None, limit: int = 100, before: int | None = None) -> list[AuditEntry]:
+    def list_audit(self, parcel: str | None = None, limit: int = 100, before: int | None = None, *,
+                   owner_id: int | None = None, skip_actions: Sequence[str] = ()) -> list[AuditEntry]:
         conditions: list[str] = []
         params: list[Any] = []
         if parcel:
             conditions.append("parcel = ?")
             params.append(parcel)
+        if owner_id is not None:
+            conditions.append("parcel IN (SELECT id FROM parcels WHERE owner_id = ?)")
+            params.append(owner_id)
+        if skip_actions:
+            conditions.append(f"action NOT IN ({', '.join('?' * len(skip_actions))})")
+            params.extend(skip_actions)
         if before is not None:
             conditions.append("id < ?")
             params.append(before)

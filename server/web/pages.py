@@ -16,7 +16,6 @@ import logging
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
@@ -24,7 +23,7 @@ from starlette.responses import RedirectResponse, Response
 from .. import auth, names, ops
 from ..errors import BadRequest, Conflict, Forbidden, NotFound
 from ..http import Endpoint, Handler, as_api_error, error_headers, read_body, remote
-from ..meta import LockInfo, MetaStore, ParcelInfo, WebSession
+from ..meta import AuditEntry, LockInfo, MetaStore, ParcelInfo, WebSession
 from ..service import Service
 from . import sessions
 from .render import render
@@ -36,6 +35,8 @@ STATIC_TYPES = {".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
 FORM_LIMIT = 64 * 1024
 AUDIT_PAGE = 50
 HOME_VERSIONS = 8
+#: A running site renews its lock every few minutes: "My history" leaves renewals out unless asked.
+QUIET_ACTIONS = ("lock.renew",)
 
 CONTENT_SECURITY_POLICY = ("default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
                            "frame-ancestors 'none'; base-uri 'none'")
@@ -53,6 +54,15 @@ ERROR_TITLES = {400: "Bad request", 401: "Not signed in", 403: "Not allowed", 40
 #: The pages' wording of the errors `server.http.as_api_error` makes of failures that are not bad input.
 ERROR_MESSAGES = {"storage_unavailable": "The server's storage is unavailable right now; try again later.",
                   "internal": "Something went wrong on the server."}
+
+
+#: The notice after a password change (``/account/password?done=…``).
+PASSWORD_NOTICES = {
+    "changed": "Your password was changed. Every other browser was signed out; the isr command on your PCs "
+               "keeps working with the token it has.",
+    "revoked": "Your password was changed. Every other browser was signed out, and every isr client's token was "
+               "revoked: run `isr login` again on each PC.",
+}
 
 
 class SignInRequired(Exception):
@@ -101,6 +111,29 @@ def release_token(lock: LockInfo) -> str:
     """Names one particular lock in the release form, so that confirming never breaks a lock that changed
     hands after the page was shown (derived from the lock id, which stays on the server)."""
     return hashlib.sha256(b"isr-web-release\0" + lock.lock_id.encode()).hexdigest()[:32]
+
+
+def audit_before(request: Request) -> int | None:
+    """The ``before`` query parameter of an audit page: show entries older than this entry number."""
+    text = request.query_params.get("before")
+    if not text:
+        return None
+    if not text.isdigit() or len(text) > 18:
+        raise BadRequest("'before' must be an audit entry number.")
+    return int(text)
+
+
+def audit_pager(path: str, filtered: dict[str, str], before: int | None, entries: list[AuditEntry]
+                ) -> tuple[list[AuditEntry], str | None, str | None]:
+    """One page of an audit list fetched newest first with one entry too many: (the page, the link to
+    the newest entries or None, the link to older ones or None)."""
+    more = len(entries) > AUDIT_PAGE
+    entries = entries[:AUDIT_PAGE]
+    newest_url = f"{path}?{urllib.parse.urlencode(filtered)}" if before is not None else None
+    older_url = None
+    if more and entries:
+        older_url = f"{path}?{urllib.parse.urlencode({**filtered, 'before': str(entries[-1].id)})}"
+    return entries, newest_url, older_url
 
 
 async def read_form(request: Request) -> dict[str, str]:
@@ -227,14 +260,19 @@ class WebPages:
         old = sessions.cookie_token(request, sessions.SESSION_COOKIE)
         if old is not None:
             await self.run(self.meta.delete_web_session, auth.secret_hash(old))
+        log.info("web sign-in of %s from %s", user, remote(request))
+        response = await self.start_session(request, found[0].id, "/")
+        sessions.clear_cookie(response, sessions.SIGNIN_COOKIE)
+        return response
+
+    async def start_session(self, request: Request, user_id: int, location: str) -> Response:
+        """A new session for this browser (a new secret and CSRF token), and the redirect that sets it."""
         secret = sessions.new_secret()
         ttl = self.service.config["server.web_session_seconds"]
-        await self.run(self.meta.add_web_session, auth.secret_hash(secret), found[0].id, sessions.new_secret(), ttl,
+        await self.run(self.meta.add_web_session, auth.secret_hash(secret), user_id, sessions.new_secret(), ttl,
                        remote(request))
-        log.info("web sign-in of %s from %s", user, remote(request))
-        response = redirect("/")
+        response = redirect(location)
         sessions.set_cookie(response, sessions.SESSION_COOKIE, secret, ttl)
-        sessions.clear_cookie(response, sessions.SIGNIN_COOKIE)
         return response
 
     async def signout(self, request: Request) -> Response:
@@ -305,6 +343,100 @@ class WebPages:
     def lock_changed(session: WebSession, parcel: ParcelInfo, lock: LockInfo) -> Response:
         return render("lock_changed.html", 409, title="The lock changed", session=session, parcel=parcel, lock=lock)
 
+    async def rollback(self, request: Request, parcel: str) -> Response:
+        """Rolling back to a chosen version: what it takes, checked against the lock as `isr rollback` does.
+
+        The server cannot make the new version itself: its manifest must be sealed under the parcel key,
+        which never reaches the server (doc/parcel-format.md, threat model; a server that could turn an old
+        version into the newest could also replay old versions unnoticed). So the page checks the choice
+        (a known, older version; the lock) and gives the `isr rollback` command that does it.
+        """
+        session = await self.signed_in(request)
+        found = await self.visible_parcel(session, parcel)
+        versions = await self.run(self.meta.list_versions, found.id)
+        text = request.query_params.get("version")
+        chosen = None
+        status = 200
+        if text is not None:
+            if not text.isdigit() or len(text) > 18:
+                raise BadRequest("'version' must be a version number.")
+            chosen = next((v for v in versions if v.version == int(text)), None)
+            if chosen is None:
+                raise NotFound(f"“{found.name}” has no version {int(text)}.", code="no_version")
+            if chosen.version == found.current_version or found.lock is not None:
+                status = 409
+        title = f"Roll back “{found.name}”" if chosen is None else f"Roll back “{found.name}” to version {chosen.version}"
+        return render("rollback.html", status, title=title, session=session, parcel=found, versions=versions,
+                      chosen=chosen, show_owner=found.owner_id != session.user_id, now=time.time())
+
+    # --- my history and my account ----------------------------------------------------------------
+
+    async def history(self, request: Request) -> Response:
+        """The audit trail of my own parcels: who took and released their locks, checked in, broke a lock,
+        from where and when."""
+        session = await self.signed_in(request)
+        mine = {p.id: p.name for p in await self.run(self.meta.list_parcels, session.user_id)}
+        wanted = request.query_params.get("parcel", "").strip()
+        parcel_id = names.parcel_id(wanted) if wanted else None
+        if parcel_id is not None and parcel_id not in mine:
+            raise NotFound("You have no such parcel.")
+        renewals = request.query_params.get("renewals") == "1"
+        before = audit_before(request)
+        fetched = await self.run(self.meta.list_audit, parcel_id, AUDIT_PAGE + 1, before, owner_id=session.user_id,
+                                 skip_actions=() if renewals else QUIET_ACTIONS)
+        filtered = {**({"parcel": parcel_id} if parcel_id else {}), **({"renewals": "1"} if renewals else {})}
+        entries, newest_url, older_url = audit_pager("/history", filtered, before, list(reversed(fetched)))
+        return render("history.html", title="My history", session=session, current="/history", entries=entries,
+                      mine=mine, wanted=parcel_id or "", renewals=renewals, newest_url=newest_url,
+                      older_url=older_url)
+
+    def password_page(self, session: WebSession, status: int = 200, message: str = "", notice: str = "",
+                      revoke: bool = False) -> Response:
+        return render("password.html", status, title="Change your password", session=session,
+                      current="/account/password", message=message, notice=notice, revoke=revoke)
+
+    async def password_form(self, request: Request) -> Response:
+        session = await self.signed_in(request)
+        notice = PASSWORD_NOTICES.get(request.query_params.get("done", ""), "")
+        return self.password_page(session, notice=notice)
+
+    async def change_password(self, request: Request) -> Response:
+        """Change the signed-in user's password: the current one is checked (and a wrong one counts as a
+        failed sign-in), every web session ends and this browser gets a new one; API tokens are revoked
+        only if the user asks (a running site would otherwise be unable to check in)."""
+        session, form = await self.checked_post(request)
+        current, new, again = form.get("current", ""), form.get("new", ""), form.get("again", "")
+        revoke = form.get("revoke") == "yes"
+        limits = auth.signin_subjects(session.user, auth.client_address(request.scope))
+        wait = await self.run(self.meta.signin_wait, limits, auth.SIGNIN_WINDOW, auth.SIGNIN_DELAY)
+        if wait > 0:
+            response = self.password_page(session, 429, f"Too many wrong passwords. Try again in "
+                                                        f"{max(1, round(wait / 60))} minute(s).", revoke=revoke)
+            response.headers["retry-after"] = str(int(wait) + 1)
+            return response
+        found = await self.run(self.meta.get_user, session.user)
+        stored = found[1] if found else auth.DUMMY_HASH
+        ok = len(current.encode()) <= auth.MAX_PASSWORD_BYTES and await self.run(auth.verify_password, current, stored)
+        if not found or not ok:
+            await self.run(self.meta.signin_failed, [subject for subject, _ in limits], auth.SIGNIN_WINDOW)
+            log.warning("wrong current password in a password change by %s from %s", session.user, remote(request))
+            return self.password_page(session, 403, "Your current password is not right.", revoke=revoke)
+        problem = ("Type a new password." if not new else
+                   "The two new passwords differ." if new != again else
+                   f"The new password is longer than {auth.MAX_PASSWORD_BYTES} bytes."
+                   if len(new.encode()) > auth.MAX_PASSWORD_BYTES else
+                   "The new password is the same as the current one." if new == current else "")
+        if problem:
+            return self.password_page(session, 400, problem, revoke=revoke)
+        await self.run(self.meta.signin_succeeded, limits[0][0])
+        pwhash = await self.run(auth.hash_password, new)
+        await self.run(self.meta.set_password, session.user, pwhash, actor=session.user, remote=remote(request),
+                       revoke_tokens=revoke)
+        self.service.audit_line(remote(request), session.user, "user.password", "-",
+                                tokens="revoked" if revoke else "kept")
+        return await self.start_session(request, session.user_id,
+                                        "/account/password?done=" + ("revoked" if revoke else "changed"))
+
     # --- administrators ---------------------------------------------------------------------------
 
     async def admin_index(self, request: Request) -> Response:
@@ -337,8 +469,7 @@ class WebPages:
 
     async def admin_audit(self, request: Request) -> Response:
         session = await self.signed_in(request, admin=True)
-        query = request.query_params
-        wanted = query.get("parcel", "").strip()
+        wanted = request.query_params.get("parcel", "").strip()
         parcel_id: str | None = None
         if wanted:
             if "/" in wanted:
@@ -346,20 +477,11 @@ class WebPages:
                 parcel_id = (await self.run(self.meta.find_parcel, owner, name)).id
             else:
                 parcel_id = names.parcel_id(wanted)
-        before: int | None = None
-        if query.get("before"):
-            if not query["before"].isdigit() or len(query["before"]) > 18:
-                raise BadRequest("'before' must be an audit entry number.")
-            before = int(query["before"])
-        entries = list(reversed(await self.run(self.meta.list_audit, parcel_id, AUDIT_PAGE + 1, before)))
-        more = len(entries) > AUDIT_PAGE
-        entries = entries[:AUDIT_PAGE]
+        before = audit_before(request)
+        fetched = await self.run(self.meta.list_audit, parcel_id, AUDIT_PAGE + 1, before)
         labels = {p.id: f"{p.owner}/{p.name}" for p in await self.run(self.meta.list_parcels)}
-        filtered: dict[str, Any] = {"parcel": wanted} if wanted else {}
-        newest_url = f"/admin/audit?{urllib.parse.urlencode(filtered)}" if before is not None else None
-        older_url = None
-        if more and entries:
-            older_url = f"/admin/audit?{urllib.parse.urlencode({**filtered, 'before': str(entries[-1].id)})}"
+        entries, newest_url, older_url = audit_pager("/admin/audit", {"parcel": wanted} if wanted else {}, before,
+                                                     list(reversed(fetched)))
         return render("admin_audit.html", title="Audit log", session=session, current="/admin/audit",
                       entries=entries, labels=labels, wanted=wanted, newest_url=newest_url, older_url=older_url)
 

@@ -76,9 +76,56 @@ def audit_detail(detail: Mapping[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _holder(value: Any) -> str:
+    """Who held a lock, from a lock record in an audit entry's details."""
+    if not isinstance(value, dict):
+        return "someone"
+    text = f"{value.get('user')} on {value.get('host')}"
+    return text + (f" ({value['site']})" if value.get("site") else "")
+
+
+def audit_what(action: str, detail: Mapping[str, Any]) -> str:
+    """What an audit entry of a parcel means to its owner, in words (the "My history" page)."""
+    version = detail.get("version")
+    if action == "lock.acquire":
+        return f"took the lock (resume or checkout) at version {version}"
+    if action == "lock.release":
+        return "released the lock (suspended and checked in, or gave the parcel up)"
+    if action == "lock.renew":
+        if "dirty_chunks" in detail:
+            return (f"renewed the lock, reporting {detail['dirty_chunks']} unsynced chunk(s), "
+                    f"{human_bytes(detail.get('dirty_bytes'))}")
+        return "renewed the lock"
+    if action == "lock.break":
+        reason = detail.get("reason")
+        return f"broke the lock of {_holder(detail.get('holder'))}" + (f" ({reason})" if reason else "")
+    if action == "lock.refused":
+        return "was refused the lock: the parcel was locked elsewhere"
+    if action == "version.commit":
+        return f"checked in version {version}"
+    if action == "version.refused":
+        return f"tried to check in, refused ({detail.get('code')})"
+    if action == "version.prune":
+        return f"deleted old version {version}"
+    if action == "parcel.create":
+        return "created the parcel"
+    if action == "envelope.replace":
+        return "changed the parcel's passphrase or key file"
+    return action
+
+
+def audit_where(detail: Mapping[str, Any]) -> str:
+    """The host (and site) an audit entry names, if any."""
+    host = detail.get("host")
+    if not isinstance(host, str) or not host:
+        return ""
+    site = detail.get("site")
+    return f"{host} ({site})" if isinstance(site, str) and site else host
+
+
 def nav_links(admin: bool) -> list[tuple[str, str]]:
     """The navigation of a signed-in user: (path, label)."""
-    links = [("/", "My parcels")]
+    links = [("/", "My parcels"), ("/history", "My history"), ("/account/password", "Password")]
     if admin:
         links += [("/admin/users", "Users"), ("/admin/parcels", "All parcels"), ("/admin/usage", "Storage"),
                   ("/admin/audit", "Audit log")]
@@ -87,7 +134,9 @@ def nav_links(admin: bool) -> list[tuple[str, str]]:
 
 ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True,
                          undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-ENV.filters.update(when=when, ago=ago, size=human_bytes, new_blob_bytes=new_blob_bytes, audit_detail=audit_detail)
+ENV.filters.update(when=when, ago=ago, size=human_bytes, new_blob_bytes=new_blob_bytes, audit_detail=audit_detail,
+                   audit_where=audit_where)
+ENV.globals.update(audit_what=audit_what)
 ENV.globals.update(app_title=APP_TITLE, nav_links=nav_links)
 
 
