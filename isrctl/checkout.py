@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from isrprogress import NullReporter, Reporter
+from isrprogress import NullReporter, Reporter, human_bytes
 from parcels import crypto
 from parcels.errors import ParcelError
 from parcels.keyring import encode_stream
@@ -231,12 +231,11 @@ def boot_blobs(state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, 
             if remote is None:
                 raise StateError(f"boot file {name} of version {manifest.version} is not at this site and the "
                                  f"server is not reachable")
-            started = time.monotonic()
-            sealed = remote.get_blob(str(manifest.parcel), manifest.version, name)
-            payload = open_blob(parcel_keys.parcel_key, sealed, manifest, name)
-            write_file(path, sealed)
-            reporter.say(f"  fetched boot file {name}: {len(sealed) / 2**20:.1f} MiB sealed ({info.size / 2**20:.1f} MiB) "
-                         f"in {time.monotonic() - started:.1f} s; kept at this site")
+            with reporter.progress(f"fetching boot file {name}", 0) as bar:
+                sealed = remote.get_blob(str(manifest.parcel), manifest.version, name, progress=bar.update)
+                payload = open_blob(parcel_keys.parcel_key, sealed, manifest, name)
+                write_file(path, sealed)
+                bar.close(f"sealed ({human_bytes(info.size)} open); kept at this site")
         # Under the version's name too, so that a keyless hoard of a later version inheriting it finds it.
         link_file(path, hoarded)
         out[name] = payload

@@ -64,6 +64,9 @@ Policies (isr resume --policy; the ISR timeline t1..t5 is in doc/isrctl.md):
 
 Files: ~/.config/isr/config.toml, ~/.local/share/isr/ (token, parcel state), ~/.cache/isr/chunks
 (XDG_CONFIG_HOME, XDG_DATA_HOME, XDG_CACHE_HOME and XDG_RUNTIME_DIR are honored).
+
+Exit status: 0 done, 1 failed (one line on stderr says why and what to do), 2 usage, 3 the parcel is locked
+by someone else, 4 this site's lock was broken, 130 interrupted. --json results: doc/isrctl.md.
 """
 
 
@@ -82,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(func=func)
         return p
+
+    def json_result(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout (shapes "
+                                                            "in doc/isrctl.md); messages and progress go to stderr")
 
     def credentials(p: argparse.ArgumentParser, new: bool = False) -> None:
         """--passphrase-file, --passphrase-env, --key-file (and with ``new`` the --new-... ones); the same
@@ -124,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Take the parcel's lock and fetch the current version's manifest, keyrings and device state into\n"
             "this site's state (chunks come later, on demand or with `isr hoard`).")
     p.add_argument("parcel", help="parcel name or UUID")
+    json_result(p)
     credentials(p)
 
     p = cmd("resume", cmd_resume, "run the parcel's VM here (Ctrl-C suspends)",
@@ -148,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="look for chunks in this directory (e.g. a USB disk) before the server; repeatable")
     p.add_argument("--no-checkin", action="store_true",
                    help="if the guest powers itself off, keep the result local instead of checking it in")
+    json_result(p)
     credentials(p)
 
     p = cmd("suspend", cmd_suspend, "suspend the running VM and check in a new version",
@@ -155,15 +164,18 @@ def build_parser() -> argparse.ArgumentParser:
             "in a new version (releasing the lock) unless --no-checkin.")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: the only running one)")
     p.add_argument("--no-checkin", action="store_true", help="keep the new state here (and the lock)")
+    json_result(p)
 
     p = cmd("checkin", cmd_checkin, "upload local changes as a new version and release the lock")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: the only one here)")
+    json_result(p)
     credentials(p)
 
     p = cmd("sync", cmd_sync, "upload local changes as a new version and keep the lock",
             "Upload local changes as a new version and keep the lock. Of a VM running here: upload the chunks\n"
             "it wrote, so that a full chunk cache may drop them (its suspend commits the version).")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: the only one here)")
+    json_result(p)
     credentials(p)
 
     p = cmd("discard", cmd_discard, "drop local changes since the last checkout or sync")
@@ -182,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--working-set", action="store_true", help="only the working set recorded at the last suspend")
     p.add_argument("--no-key", action="store_true",
                    help="hoard without the parcel key (what `isr schedule run` does)")
+    json_result(p)
     credentials(p)
 
     def rule_options(p: argparse.ArgumentParser, required: bool) -> None:
@@ -281,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("rollback", cmd_rollback, "make a new version with an older version's content")
     p.add_argument("parcel", help="parcel name or UUID")
     p.add_argument("version", type=int, help="the older version to go back to")
+    json_result(p)
     credentials(p)
 
     p = cmd("lock", cmd_lock, "show who holds the lock; --force breaks it")
@@ -298,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"how long a running guest may take to shut down (default {POWEROFF_WAIT:g})")
     p.add_argument("--force", action="store_true", help="pull the plug of a running VM at once, as if cut off")
     p.add_argument("--no-checkin", action="store_true", help="keep the result here; `isr checkin` later")
+    json_result(p)
     credentials(p)
 
     p = cmd("console", cmd_console, "attach this terminal to the serial console of a VM running here",

@@ -150,13 +150,14 @@ def hoard(client: Client, parcel: dict[str, Any], mode: str, reporter: Reporter 
     for name, source in wanted.links.items():
         link_file(source, state.version_blob_path(wanted.version, name))
     for name, size in wanted.blobs.items():
-        sealed = client.remote.get_blob(wanted.parcel, wanted.version, name)
-        if len(sealed) != size:
-            raise IsrError(f"the server sent {len(sealed)} bytes of blob {name} of version {wanted.version}, not "
-                           f"the {size} it lists: try again later")
-        write_file(state.version_blob_path(wanted.version, name), sealed)
+        with reporter.progress(f"fetching boot file {name}", size) as bar:
+            sealed = client.remote.get_blob(wanted.parcel, wanted.version, name, progress=bar.update)
+            if len(sealed) != size:
+                raise IsrError(f"the server sent {len(sealed)} bytes of blob {name} of version {wanted.version}, not "
+                               f"the {size} it lists: try again later")
+            write_file(state.version_blob_path(wanted.version, name), sealed)
+            bar.close("sealed; the next resume checks it")
         fetched += len(sealed)
-        reporter.say(f"  fetched boot file {name} (sealed, {human_bytes(len(sealed))}); the next resume checks it")
     chunk_bytes = sum(size for _, size in wanted.chunks)
     count = 0
     if wanted.chunks:

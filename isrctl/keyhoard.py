@@ -27,9 +27,9 @@ from .vulpes import CacheUsage, Vulpes
 
 
 def hoard_with_key(client: Client, parcel: dict[str, Any], state: ParcelState, parcel_keys: ParcelKeys, *,
-                   working_set_only: bool, reporter: Reporter) -> None:
+                   working_set_only: bool, reporter: Reporter) -> tuple[int, dict[str, Any]]:
     """Hoard the newest version of ``parcel`` (everything, or its working set) with its keys; the caller holds
-    the parcel's state lock."""
+    the parcel's state lock. Returns the version hoarded and vulpes's final hoard status."""
     checkout = state.checkout()
     change = state.effective_local_change()
     current = int(client.remote.parcel(parcel["id"]).get("current_version") or 0)
@@ -66,15 +66,17 @@ def hoard_with_key(client: Client, parcel: dict[str, Any], state: ParcelState, p
     what = "the working set" if working_set_only else "everything"
     reporter.say(f"hoarding {what} of {parcel['name']} version {manifest.version}")
     try:
-        _run(hoard_dir, state, parcel_keys, client, reporter, working_set=working_set if working_set_only else None,
-             what=(parcel["name"], manifest.version, manifest.chunk_size))
+        status = _run(hoard_dir, state, parcel_keys, client, reporter,
+                      working_set=working_set if working_set_only else None,
+                      what=(parcel["name"], manifest.version, manifest.chunk_size))
+        return manifest.version, status
     finally:
         if hoard_dir != state.dir:
             shutil.rmtree(hoard_dir, ignore_errors=True)
 
 
 def _run(state_dir: Path, state: ParcelState, parcel_keys: ParcelKeys, client: Client, reporter: Reporter, *,
-         working_set: dict[str, list[int]] | None, what: tuple[str, int, int]) -> None:
+         working_set: dict[str, list[int]] | None, what: tuple[str, int, int]) -> dict[str, Any]:
     """Hoard with a vulpes on the keyrings in ``state_dir``; ``what`` is the parcel's name, the version and its
     chunk size. Warns first if the cache has no room for it all; raises CacheFull if it ran out of room."""
     runtime = paths.parcel_runtime_dir(state.parcel)
@@ -87,10 +89,9 @@ def _run(state_dir: Path, state: ParcelState, parcel_keys: ParcelKeys, client: C
     try:
         _warn_if_no_room(daemon, client, state, state_dir, working_set, what, reporter)
         if working_set is None:
-            daemon.hoard_and_wait(reporter, "hoarding", everything=True)
-        else:
-            daemon.hoard_and_wait(reporter, "hoarding", disk=working_set.get("disk", []),
-                                  memory=working_set.get("memory", []))
+            return daemon.hoard_and_wait(reporter, "hoarding", everything=True)
+        return daemon.hoard_and_wait(reporter, "hoarding", disk=working_set.get("disk", []),
+                                     memory=working_set.get("memory", []))
     finally:
         daemon.stop()
 

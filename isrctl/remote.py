@@ -13,12 +13,13 @@ the server's error code and its JSON details.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import socket
 import ssl
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -167,18 +168,46 @@ class Remote:
     def request(self, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
                 nonce: str | None = None, auth: bool = True, headers: dict[str, str] | None = None) -> httpx.Response:
         """Send one request; return the response if it is 2xx, raise the matching `RemoteError` if not."""
-        send_headers = dict(headers or {})
-        if auth:
-            if not self.token:
-                raise AuthenticationFailed("not logged in: call login() first", status=401, code="unauthorized")
-            send_headers["Authorization"] = f"Bearer {self.token}"
+        send_headers = self._headers(auth, headers)
         if nonce is not None:
             send_headers["ISR-Lock"] = nonce
         if json_body is not None:
             content = json.dumps(json_body).encode()
             send_headers["Content-Type"] = "application/json"
-        try:
+        with self._transport(method, path):
             response = self.client.request(method, path, content=content, headers=send_headers)
+        if response.status_code < 300 or response.status_code == 304:
+            return response
+        raise self._error(method, path, response)
+
+    def download(self, path: str, progress: Callable[[int, int | None], None]) -> bytes:
+        """GET ``path`` as `request` does, calling ``progress(bytes so far, total)`` as the body arrives (total:
+        its Content-Length, None if the server sent none)."""
+        with self._transport("GET", path), self.client.stream("GET", path, headers=self._headers(True)) as response:
+            if response.status_code >= 300:
+                response.read()
+                raise self._error("GET", path, response)
+            total = int(response.headers.get("content-length") or 0) or None
+            body = bytearray()
+            progress(0, total)
+            for block in response.iter_bytes():
+                body += block
+                progress(len(body), total)
+            return bytes(body)
+
+    def _headers(self, auth: bool, headers: dict[str, str] | None = None) -> dict[str, str]:
+        send_headers = dict(headers or {})
+        if auth:
+            if not self.token:
+                raise AuthenticationFailed("not logged in: call login() first", status=401, code="unauthorized")
+            send_headers["Authorization"] = f"Bearer {self.token}"
+        return send_headers
+
+    @contextlib.contextmanager
+    def _transport(self, method: str, path: str) -> Iterator[None]:
+        """Turn httpx's transport errors into `RemoteUnreachable` (or `CertificateMismatch`)."""
+        try:
+            yield
         except httpx.ConnectError as e:
             cause: BaseException | None = e
             while cause is not None:
@@ -191,9 +220,6 @@ class Remote:
                                     f"(it is overloaded, stopped, or the network drops packets)") from None
         except httpx.TransportError as e:
             raise RemoteUnreachable(f"{method} {self.url}{path}: {type(e).__name__}: {e}") from None
-        if response.status_code < 300 or response.status_code == 304:
-            return response
-        raise self._error(method, path, response)
 
     def _error(self, method: str, path: str, response: httpx.Response) -> RemoteError:
         status = response.status_code
@@ -272,8 +298,11 @@ class Remote:
     def put_key_envelope(self, parcel: str, data: bytes, nonce: str) -> None:
         self.request("PUT", f"/v1/parcels/{parcel}/keyenvelope", content=data, nonce=nonce)
 
-    def get_blob(self, parcel: str, version: int, name: str) -> bytes:
-        return self.request("GET", f"/v1/parcels/{parcel}/versions/{version}/{name}").content
+    def get_blob(self, parcel: str, version: int, name: str,
+                 progress: Callable[[int, int | None], None] | None = None) -> bytes:
+        """A version's sealed blob; with ``progress``, reported as it arrives (see `download`)."""
+        path = f"/v1/parcels/{parcel}/versions/{version}/{name}"
+        return self.request("GET", path).content if progress is None else self.download(path, progress)
 
     def put_blob(self, parcel: str, name: str, data: bytes, nonce: str) -> dict[str, Any]:
         """Stage a sealed blob for the next commit; the reply has its size and SHA-256."""

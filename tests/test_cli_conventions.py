@@ -11,6 +11,7 @@ import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ from isrctl.cli import build_parser as isr_parser
 from server.admin import build_parser as admin_parser
 from server.main import build_parser as server_parser
 from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
-from tests.isr_fixtures import IsrEnv, Site, isr_env, one_line_error  # noqa: F401  (isr_env: pytest fixture)
+from tests.isr_fixtures import IsrEnv, Site, isr_env, one_line_error, sites  # noqa: F401  (isr_env: pytest fixture)
 from tests.server_fixtures import BIN, image_with_data
 
 pytestmark = pytest.mark.timeout(300)
@@ -93,7 +94,10 @@ def test_admin_takes_secrets_from_a_file_stdin_or_the_environment(tmp_path: Path
     assert admin("user", "password", "alice", "--password-file", "-", input_text="from-stdin\n").returncode == 0
     disk = tmp_path / "disk.raw"
     image_with_data(disk, 1 << 20, seed=3, data_ranges=[(0, 64 << 10)])
+    kernel = tmp_path / "kernel"   # a blank disk boots nothing: a stand-in kernel for direct boot
+    kernel.write_bytes(os.urandom(4096))
     made = admin("parcel", "create", "--owner", "alice", "--name", "p", "--disk", str(disk), "--ram", "16",
+                 "--kernel", str(kernel),
                  "--scrypt-log2n", "10", "--passphrase-env", "PARCEL_PW", PARCEL_PW="parcel secret")
     assert made.returncode == 0, made.stderr
     parcel = json.loads(made.stdout)["id"]
@@ -140,3 +144,48 @@ def test_isr_credential_options_and_their_old_names(isr_env: IsrEnv, tmp_path: P
         site.isr("clean", parcel.name)
     finally:
         site.cleanup()
+
+
+#: The keys every `--json` result of a command on one parcel has (doc/isrctl.md "JSON results").
+RESULT_KEYS = {"parcel", "name", "version", "lock_held", "local", "running"}
+
+
+def json_result(site: Site, *args: str) -> dict[str, Any]:
+    """Run ``isr ARGS --json``: stdout must be one JSON object, and the messages go to stderr."""
+    out = site.isr(*args, "--json")
+    data = json.loads(out.stdout)
+    assert RESULT_KEYS <= set(data), (args, data)
+    return dict(data)
+
+
+def test_commands_report_their_result_as_json(isr_env: IsrEnv, tmp_path: Path) -> None:
+    parcel = isr_env.make_parcel()
+    key = ("--key-file", str(parcel.keyfile))
+    with sites(isr_env, tmp_path, ["A"]) as (a,):
+        # A keyless hoard at a site that never had the parcel: boot files with a bar, then the chunks.
+        out = a.isr("hoard", parcel.name, "--no-key", "--json")
+        hoard = json.loads(out.stdout)
+        assert hoard["name"] == parcel.name and hoard["version"] is None and hoard["lock_held"] is False
+        assert hoard["hoard"]["keyless"] is True and hoard["hoard"]["version"] == 1, hoard
+        assert hoard["hoard"]["bytes_fetched"] > 0 and hoard["hoard"]["mode"] == "full", hoard
+        assert re.search(r"^  fetching boot file \S+: [0-9.]+ (KiB|MiB) in ", out.stderr, re.M), out.stderr
+
+        checkout = json_result(a, "checkout", parcel.name, *key)
+        assert checkout["version"] == 1 and checkout["lock_held"] is True and checkout["local"] == "clean", checkout
+        nothing = json_result(a, "checkin", parcel.name, *key)
+        assert nothing["checked_in"] is False and nothing["lock_held"] is False, nothing
+
+        resumed = json_result(a, "resume", parcel.name, "--detach", "--vnc", "none", *key)
+        assert resumed["running"] is True and resumed["local"] == "running", resumed
+        assert resumed["session"]["pid"] > 0 and resumed["session"]["version"] == 1, resumed
+        suspended = json_result(a, "suspend", parcel.name)
+        assert suspended["checked_in"] is True and suspended["version"] == 2, suspended
+        assert suspended["lock_held"] is False and suspended["running"] is False, suspended
+
+        rolled = json_result(a, "rollback", parcel.name, "1", *key)
+        assert rolled["committed"] == 3 and rolled["content_of"] == 1, rolled
+        hoarded = json_result(a, "hoard", parcel.name, "--working-set", *key)
+        assert hoarded["hoard"]["keyless"] is False and hoarded["hoard"]["version"] == 3, hoarded
+        assert hoarded["hoard"]["mode"] == "working-set", hoarded
+        a.isr("clean", parcel.name)
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import sys
 import tempfile
@@ -29,7 +30,30 @@ QUICK_TIMEOUT, QUICK_NOTE_AFTER = 10.0, 3.0
 
 
 def make_reporter(args: argparse.Namespace) -> TerminalReporter:
-    return TerminalReporter(quiet=getattr(args, "quiet", False))
+    """Where a command's messages and progress go: stdout, or stderr with --json (stdout is then the JSON
+    result alone, `finish`)."""
+    return TerminalReporter(sys.stderr if getattr(args, "json", False) else None, quiet=getattr(args, "quiet", False))
+
+
+def parcel_result(state: ParcelState, name: str | None = None, **fields: Any) -> dict[str, Any]:
+    """The JSON result of a command that works on one parcel (doc/isrctl.md "JSON results"): the parcel as it
+    is at this site now, and the command's own ``fields``."""
+    checkout = state.checkout()
+    change = state.effective_local_change()
+    return {"parcel": state.parcel, "name": checkout.name if checkout else name,
+            "version": checkout.version if checkout else None, "lock_held": bool(checkout and checkout.lock),
+            "local": change.state if change else ("clean" if checkout else None),
+            "running": state.session_info() is not None and state.busy(), **fields}
+
+
+def finish(args: argparse.Namespace, reporter: TerminalReporter, text: str, result: dict[str, Any]) -> int:
+    """End a command that reports a result: ``text`` for a person (on stderr with --json), and with --json
+    ``result`` as one JSON object on stdout. Returns the exit code, 0."""
+    if text:
+        reporter.say(text)
+    if getattr(args, "json", False):
+        print(json.dumps(result, indent=1, sort_keys=True, default=str), flush=True)
+    return 0
 
 
 def cache_limit() -> str:

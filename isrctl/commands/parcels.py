@@ -191,8 +191,9 @@ def cmd_checkout(args: argparse.Namespace) -> int:
                     raise
                 checkout.version = current
                 state.save_checkout(checkout)
-            reporter.say(f"checked out {parcel['name']} version {checkout.version}; this site holds the lock")
-    return 0
+        return common.finish(args, reporter,
+                             f"checked out {parcel['name']} version {checkout.version}; this site holds the lock",
+                             common.parcel_result(state))
 
 
 def cmd_discard(args: argparse.Namespace) -> int:
@@ -290,6 +291,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
                     checkout = state.require_checkout()
                     checkout.version = new_version
                     state.save_checkout(checkout)
-    return 0
+    return common.finish(args, reporter, "", common.parcel_result(state, parcel["name"], committed=new_version,
+                                                                  content_of=args.version))
 
 

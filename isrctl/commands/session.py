@@ -39,8 +39,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if running is not None:
         # The VM may be paused for lack of room in the cache: go on (the session says if it cannot).
         result = control.request(running, "continue", reporter)
-        reporter.say(f"{result.get('name', args.parcel)} continues")
-        return 0
+        return common.finish(args, reporter, f"{result.get('name', args.parcel)} continues",
+                             common.parcel_result(running, session=running.session_info(), continued=True))
     common.check_writable(paths.chunk_cache_dir(), "the chunk cache", "XDG_CACHE_HOME")
     common.check_writable(paths.parcels_dir(), "the parcel state directory", "XDG_DATA_HOME")
     if args.disconnected:
@@ -68,9 +68,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     try:
         if args.detach:
             info = detach.spawn_detached(options, parcel_keys, reporter)
-            print(f"session pid {info['pid']}; `isr suspend {name}` suspends it")
-            print(f"  control  {info['control']}")
-            return 0
+            return common.finish(args, reporter, f"session pid {info['pid']}; `isr suspend {name}` suspends it\n"
+                                                 f"  control  {info['control']}",
+                                 common.parcel_result(state, session=info, continued=False))
         code = detach.run_foreground(options, parcel_keys, reporter)
     except BaseException:
         if first:  # a first resume that failed before its version was here leaves no "version 0" state
@@ -78,6 +78,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         raise
     if code != 0 and first:
         state.forget_unfinished_checkout()
+    common.finish(args, reporter, "", common.parcel_result(state, name, session=None, continued=False))
     return code
 
 
@@ -102,9 +103,9 @@ def _end_session(args: argparse.Namespace, op: str, **fields: Any) -> int:
     if not detach.wait_for_exit(int(info["pid"]), timeout=300):
         raise IsrError(f"the session (pid {info['pid']}) did not exit after {op}; see {state.dir / 'session.log'}")
     log.info("session exited after %.2f s", time.monotonic() - started)
-    if "version" in result:
-        reporter.say(f"done: {result.get('name')} is at version {result['version']}")
-    return 0
+    return common.finish(args, reporter,
+                         f"done: {result.get('name')} is at version {result['version']}" if "version" in result else "",
+                         common.parcel_result(state, checked_in="checkin_seconds" in result))
 
 
 def cmd_poweroff(args: argparse.Namespace) -> int:
@@ -130,7 +131,7 @@ def cmd_poweroff(args: argparse.Namespace) -> int:
             with Client() as client:
                 parcel_keys = common.unlock_local(state, args, checkout.name, client)
                 checkinmod.checkin(client, state, parcel_keys, reporter=reporter)
-    return 0
+    return common.finish(args, reporter, "", common.parcel_result(state, checked_in=not args.no_checkin))
 
 
 def cmd_checkin(args: argparse.Namespace, keep_lock: bool = False) -> int:
@@ -139,8 +140,8 @@ def cmd_checkin(args: argparse.Namespace, keep_lock: bool = False) -> int:
     checkout = state.require_checkout()
     with Client() as client, state.locked():
         parcel_keys = common.unlock_local(state, args, checkout.name, client)
-        checkinmod.checkin(client, state, parcel_keys, keep_lock=keep_lock, reporter=reporter)
-    return 0
+        version = checkinmod.checkin(client, state, parcel_keys, keep_lock=keep_lock, reporter=reporter)
+    return common.finish(args, reporter, "", common.parcel_result(state, checked_in=version != checkout.version))
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
@@ -151,9 +152,11 @@ def cmd_sync(args: argparse.Namespace) -> int:
         reporter = common.make_reporter(args)
         result = control.request(running, "sync", reporter)
         name = result.get("name", args.parcel)
-        reporter.say(f"uploaded {human_bytes(int(result.get('uploaded_bytes', 0)))} of {name}; the cache has room "
-                     f"for {human_bytes(int(result.get('room', 0)))} now"
-                     + ("; the VM continues" if result.get("continued") else "")
-                     + f" (the version is committed when it is suspended: `isr suspend {name}`)")
-        return 0
+        return common.finish(
+            args, reporter, f"uploaded {human_bytes(int(result.get('uploaded_bytes', 0)))} of {name}; the cache has "
+                            f"room for {human_bytes(int(result.get('room', 0)))} now"
+                            + ("; the VM continues" if result.get("continued") else "")
+                            + f" (the version is committed when it is suspended: `isr suspend {name}`)",
+            common.parcel_result(running, checked_in=False, uploaded_bytes=int(result.get("uploaded_bytes", 0)),
+                                 room=int(result.get("room", 0))))
     return cmd_checkin(args, keep_lock=True)
