@@ -4,7 +4,8 @@ Start-up: read the configuration, make a self-signed certificate if none is conf
 database schema, bind the listening socket (port 0 picks a free port), print the URL and the certificate
 fingerprint on stdout, then hand the socket to granian's worker processes. Every worker runs
 `server.app.IsrApp`; they share nothing but the metadata database and the object store. granian is imported
-only to serve: isr-admin shares `load_config` with this module and should not pay for it.
+only to serve: isr-admin shares `load_config` with this module and should not pay for it. SIGHUP reloads the
+configuration and the certificate (`serve`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import os
 import socket
 import sys
 from importlib import metadata
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +107,16 @@ def prepare(config: Config) -> tuple[Path, Path, str]:
     return cert, key, fingerprint
 
 
-def serve(config: Config, sock: socket.socket, cert: Path, key: Path) -> None:
-    """Run granian on the bound socket until SIGINT/SIGTERM."""
+def serve(config: Config, sock: socket.socket, cert: Path, key: Path,
+          reread: Callable[[], tuple[Config, Path, Path, str]] | None = None) -> None:
+    """Run granian on the bound socket until SIGINT/SIGTERM.
+
+    SIGHUP (``systemctl reload``) reloads: `reread` reads the configuration again and prepares it (the
+    certificate too), then granian starts new workers with it and stops the old ones one by one, each after
+    its successor runs; the old ones finish the requests they have. The socket stays open throughout, so no
+    connection attempt is refused. A configuration that does not load is logged and the running one kept;
+    server.listen and server.workers change only at a restart.
+    """
     # Imported only to serve (see the module doc): isr-admin imports this module for load_config.
     from granian._granian import SocketHolder
     from granian.constants import HTTPModes, Interfaces, SSLProtocols
@@ -144,6 +154,25 @@ def serve(config: Config, sock: socket.socket, cert: Path, key: Path) -> None:
         log_level=LogLevels.warning,
         log_dictconfig=_GRANIAN_LOGGING,
     )
+
+    def reload() -> None:
+        nonlocal config
+        if reread is None:
+            return
+        try:
+            new, new_cert, new_key, fingerprint = reread()
+        except ServerError as e:
+            log.error("reload: %s; the workers keep the running configuration", e)
+            return
+        for fixed in ("server.listen", "server.workers"):
+            if new[fixed] != config[fixed]:
+                log.warning("reload: %s changes at the next restart, not at a reload", fixed)
+        os.environ[ENV_CONFIG] = new.to_json()
+        server.build_ssl_context(new_cert.resolve(), new_key.resolve(), None, SSLProtocols.tls12, None, [], False)
+        config = new
+        print(f"isr-server: reloaded; certificate fingerprint {fingerprint}", flush=True)
+
+    server.on_reload(reload)
     server.serve()
 
 
@@ -170,8 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"isr-server: certificate fingerprint {fingerprint}", flush=True)
     print(f"isr-server: metadata {config['metadata.backend']}, store {config['store.backend']}, "
           f"chunk serving {config.chunk_serving}, {config['server.workers']} worker(s)", flush=True)
+    def reread() -> tuple[Config, Path, Path, str]:
+        again = load_config(args)
+        return (again, *prepare(again))
+
     try:
-        serve(config, sock, cert, key)
+        serve(config, sock, cert, key, reread)
     except KeyboardInterrupt:
         pass
     return 0
