@@ -255,12 +255,7 @@ def occurrences(data: bytes, source: str, start: dt.datetime, end: dt.datetime, 
         skeleton = icalendar.Calendar.from_ical(_frame(keep, []))
     except ValueError as exc:
         raise CalendarError(f"{source}: unreadable calendar properties or time zones: {exc}") from exc
-    good = icalendar.Calendar()
-    for key, value in skeleton.property_items(recursive=False):
-        if key not in ("BEGIN", "END"):
-            good.add(key, value)
-    for tz in skeleton.walk("VTIMEZONE"):
-        good.add_component(tz)
+    usable: list[tuple[icalendar.Event, _Block]] = []
     periods_left = MAX_PERIODS
     for block in blocks:
         try:
@@ -278,16 +273,21 @@ def occurrences(data: bytes, source: str, start: dt.datetime, end: dt.datetime, 
             why = f"unreadable event: {exc}"
             events = []
         if why is not None:
-            summary = next((line.split(":", 1)[1] for line in block.lines if _name(line) == "SUMMARY"), "")
-            label = f" {summary.strip()!r}" if summary else ""
-            problems.append(CalendarProblem(source, block.line, f"event{label} skipped: {why}"))
+            problems.append(_skipped(source, block, why))
             continue
-        good.add_component(events[0])
+        usable.append((events[0], block))
     found: list[Occurrence] = []
     try:
-        expanded = _expand(good, start, end, local, allday_start)
-    except Exception as exc:  # the library raises a variety of types for inconsistent recurrences
-        raise CalendarError(f"{source}: cannot expand recurring events: {exc}") from exc
+        expanded = _expand(_calendar(skeleton, [e for e, _ in usable]), start, end, local, allday_start)
+    except Exception:  # the library raises a variety of types for inconsistent recurrences
+        # One bad recurrence must not cost the calendar: expand each event alone and skip those that fail.
+        expanded = []
+        for event, block in usable:
+            try:
+                expanded += _expand(_calendar(skeleton, [event]), start, end, local, allday_start)
+            except Exception as exc:
+                problems.append(_skipped(source, block, f"its recurrence cannot be expanded: {exc}"))
+        expanded.sort(key=lambda e: _as_utc(e.decoded("DTSTART"), local, allday_start)[0])
     if len(expanded) > MAX_OCCURRENCES:
         expanded = expanded[:MAX_OCCURRENCES]
         problems.append(CalendarProblem(source, 0, f"more than {MAX_OCCURRENCES} occurrences in "
@@ -310,6 +310,26 @@ def occurrences(data: bytes, source: str, start: dt.datetime, end: dt.datetime, 
                                 all_day=all_day, source=source))
     found.sort(key=lambda o: (o.start, o.uid))
     return CalendarRead(found, problems)
+
+
+def _skipped(source: str, block: _Block, why: str) -> CalendarProblem:
+    """The problem line for an event left out: its calendar, the line of its BEGIN:VEVENT, its title."""
+    summary = next((line.split(":", 1)[1] for line in block.lines if _name(line) == "SUMMARY"), "")
+    label = f" {summary.strip()!r}" if summary else ""
+    return CalendarProblem(source, block.line, f"event{label} skipped: {why}")
+
+
+def _calendar(skeleton: icalendar.Calendar, events: list[icalendar.Event]) -> icalendar.Calendar:
+    """A calendar of ``events`` with the properties and time zones of ``skeleton``."""
+    calendar = icalendar.Calendar()
+    for key, value in skeleton.property_items(recursive=False):
+        if key not in ("BEGIN", "END"):
+            calendar.add(key, value)
+    for tz in skeleton.walk("VTIMEZONE"):
+        calendar.add_component(tz)
+    for event in events:
+        calendar.add_component(event)
+    return calendar
 
 
 def _subdaily_periods(event: icalendar.Event, end: dt.datetime, local: ZoneInfo, allday_start: dt.time) -> int:

@@ -33,6 +33,7 @@ from parcels import resumepack
 from parcels.store import KEYRING_FILES, MANIFEST
 
 from . import paths, room
+from . import schedule as schedulemod
 from .checkout import Client, link_file
 from .errors import HoardStopped, IsrError, StateError
 from .localstate import ParcelState, write_file
@@ -191,13 +192,16 @@ def _forget_older_blob_names(state: ParcelState, version: int) -> None:
 class ServerInventory:
     """`schedule.Inventory` on the server's chunk lists and this site's cache: no key needed.
 
-    A parcel running at this site needs nothing (its user is here). Parcel lists are asked again after
-    ``ttl`` seconds.
+    A parcel running at this site needs nothing (its user is here): `schedule.RUNNING_HERE`. Parcel lists are
+    asked again after ``ttl`` seconds. Each answer is also kept in the schedule state (``known_path``, see
+    `schedule.RunnerState.known`), so that a plan can be made from it while the server is away
+    (`KnownInventory`).
     """
 
-    def __init__(self, client: Client, ttl: float = 5.0) -> None:
+    def __init__(self, client: Client, ttl: float = 5.0, known_path: Path | None = None) -> None:
         self.client = client
         self.ttl = ttl
+        self.known_path = known_path
         self._parcels: list[dict[str, Any]] = []
         self._listed = 0.0
 
@@ -205,6 +209,7 @@ class ServerInventory:
         if time.monotonic() - self._listed > self.ttl:
             self._parcels = self.client.remote.parcels()
             self._listed = time.monotonic()
+            self._remember(parcels=[p["name"] for p in self._parcels if p.get("current_version")])
         return self._parcels
 
     def resolve(self, ref: str) -> dict[str, Any]:
@@ -217,14 +222,50 @@ class ServerInventory:
     def missing_bytes(self, parcel: str, mode: str) -> tuple[int, int]:
         record = self.resolve(parcel)
         if ParcelState(record["id"]).busy():
-            return 0, int(record.get("current_version") or 0)
+            self._remember(missing={f"{parcel}|{mode}": {"id": record["id"]}})
+            return schedulemod.RUNNING_HERE, int(record.get("current_version") or 0)
         wanted = need(self.client, record, mode)
+        self._remember(missing={f"{parcel}|{mode}": {"id": record["id"], "bytes": wanted.bytes,
+                                                     "version": wanted.version}})
         return wanted.bytes, wanted.version
+
+    def _remember(self, *, parcels: list[str] | None = None, missing: dict[str, Any] | None = None) -> None:
+        if self.known_path is None:
+            return
+        with schedulemod.RunnerState.updating(self.known_path) as state:
+            known = state.known
+            if known.get("server") != self.client.config.server:
+                known.clear()
+            known.update(at=time.time(), server=self.client.config.server)
+            if parcels is not None:
+                known["parcels"] = parcels
+            for key, entry in (missing or {}).items():
+                known.setdefault("missing", {}).setdefault(key, {}).update(entry)
 
     def versions(self, refs: list[str]) -> dict[str, int]:
         """The current version of each parcel (for noticing a new checkin)."""
         self._listed = 0.0
         return {ref: int(self.resolve(ref).get("current_version") or 0) for ref in refs}
+
+
+class KnownInventory:
+    """`schedule.Inventory` from what `ServerInventory` last learnt (`schedule.RunnerState.known`): for planning
+    while the server is away. A parcel running here is still RUNNING_HERE; one never asked about is an error."""
+
+    def __init__(self, known: dict[str, Any]) -> None:
+        self.known = known
+
+    def parcels(self) -> list[str]:
+        return list(self.known.get("parcels", []))
+
+    def missing_bytes(self, parcel: str, mode: str) -> tuple[int, int]:
+        entry = self.known.get("missing", {}).get(f"{parcel}|{mode}", {})
+        if "id" in entry and ParcelState(entry["id"]).busy():
+            return schedulemod.RUNNING_HERE, int(entry.get("version", 0))
+        if "bytes" not in entry:
+            raise schedulemod.ScheduleError(f"nothing is known here of what {parcel} lacks ({mode}): `isr schedule "
+                                            f"show` once while the server answers")
+        return int(entry["bytes"]), int(entry["version"])
 
 
 class KeylessHoarder:

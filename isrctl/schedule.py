@@ -183,11 +183,19 @@ class ScheduleConfig:
         self.validate()
 
 
+#: What `Inventory.missing_bytes` answers for a parcel whose VM runs at this site: its user is here, it needs no
+#: hoard (and "0 B missing, ready" would be untrue: a running session fetches as it goes).
+RUNNING_HERE = -1
+#: Plan statuses that need no hoard.
+NO_HOARD = ("ready", "covered", "running here")
+
+
 class Inventory(Protocol):
     """What the planner needs to know about a parcel at this site (implemented with the server and cache)."""
 
     def missing_bytes(self, parcel: str, mode: str) -> tuple[int, int]:
-        """(bytes this site lacks for the parcel's newest version in ``mode``, that version number)."""
+        """(bytes this site lacks for the parcel's newest version in ``mode``, or RUNNING_HERE; that version
+        number)."""
 
 
 @dataclass(frozen=True)
@@ -201,7 +209,8 @@ class PlannedHoard:
     duration_s: float
     start: dt.datetime
     finish: dt.datetime
-    #: "ready" (nothing missing), "planned", "start now", "not enough time", "covered" (by an earlier hoard)
+    #: "ready" (nothing missing), "planned", "start now", "not enough time", "covered" (by an earlier hoard),
+    #: "running here" (the parcel's VM runs at this site)
     status: str
 
     @property
@@ -239,6 +248,9 @@ def plan(events: Iterable[ical.Occurrence], parcels: Sequence[str], inventory: I
                                           event.start, "covered"))
                 continue
             first = False
+            if missing == RUNNING_HERE:
+                plans.append(PlannedHoard(event, parcel, version, 0, rate, measured, 0.0, now, now, "running here"))
+                continue
             duration = hoard_duration(missing, rate, config)
             if missing <= 0:
                 plans.append(PlannedHoard(event, parcel, version, 0, rate, measured, 0.0, now, now, "ready"))
@@ -264,9 +276,11 @@ def read_calendar(config: ScheduleConfig, source: str, now: dt.datetime) -> ical
 
 
 def read_calendars(config: ScheduleConfig, now: dt.datetime) -> ical.CalendarRead:
-    """All occurrences in the planning horizon from every configured calendar; problems (broken events,
+    """All occurrences in the planning horizon from every configured calendar, each once (an event in two
+    calendars, by its UID or by its title, place and start, is planned once); problems (broken events,
     calendars that cannot be read) collected, never raised."""
     result = ical.CalendarRead([], [])
+    seen: set[object] = set()
     for source in config.calendars:
         try:
             read = read_calendar(config, source, now)
@@ -274,7 +288,11 @@ def read_calendars(config: ScheduleConfig, now: dt.datetime) -> ical.CalendarRea
             # One calendar that is away (a URL down, a file moved) must not cost the others.
             result.problems.append(ical.CalendarProblem(source, 0, f"not read: {exc}"))
             continue
-        result.occurrences.extend(read.occurrences)
+        for occurrence in read.occurrences:
+            same = (occurrence.key, (occurrence.summary, occurrence.location, occurrence.start))
+            if not seen.intersection(same):
+                result.occurrences.append(occurrence)
+            seen.update(same)
         result.problems.extend(read.problems)
     result.occurrences.sort(key=lambda o: o.start)
     return result
@@ -301,6 +319,10 @@ class RunnerState:
     #: The last hoards, newest last: parcel, version, event, event_start, started, finished (Unix times),
     #: bytes, seconds.
     history: list[dict[str, Any]] = field(default_factory=list)
+    #: What the server last told this site, for planning while it is away (`hoard.ServerInventory` keeps it):
+    #: "at" (Unix time), "server", "parcels" (the names planned for when none are configured), and "missing":
+    #: "<parcel>|<mode>" -> {"id", "bytes", "version"}.
+    known: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path) -> RunnerState:
@@ -308,7 +330,8 @@ class RunnerState:
             data = json.loads(path.read_text())
             return cls(done={str(k): int(v) for k, v in data.get("done", {}).items()},
                        samples=[(float(t), int(b), float(s)) for t, b, s in data.get("samples", [])],
-                       history=[dict(h) for h in data.get("history", [])][-HISTORY_KEPT:])
+                       history=[dict(h) for h in data.get("history", [])][-HISTORY_KEPT:],
+                       known=dict(data.get("known", {})))
         except FileNotFoundError:
             return cls()
         except (OSError, ValueError, TypeError) as exc:
@@ -317,8 +340,8 @@ class RunnerState:
             return cls()
 
     def _encode(self) -> bytes:
-        return json.dumps({"done": self.done, "samples": self.samples, "history": self.history},
-                          indent=1).encode()
+        return json.dumps({"done": self.done, "samples": self.samples, "history": self.history,
+                           "known": self.known}, indent=1).encode()
 
     def save(self, path: Path) -> None:
         write_private(path, self._encode())
@@ -379,19 +402,25 @@ class RunnerState:
 
 # --- presentation -------------------------------------------------------------------------------------
 
+def local_time(t: dt.datetime, zone: ZoneInfo) -> str:
+    """A time as `isr schedule` shows it: in ``zone``, with the zone's label ("Mon 30 Nov 09:00 CET")."""
+    return t.astimezone(zone).strftime("%a %d %b %H:%M %Z")
+
+
 def format_plan(plans: Sequence[PlannedHoard], zone: ZoneInfo, problems: Sequence[ical.CalendarProblem] = ()
                 ) -> str:
-    """The `isr schedule show` table, times in ``zone``, followed by calendar problems and warnings."""
+    """The `isr schedule show` table, times in ``zone`` with its label, followed by calendar problems and
+    warnings."""
     def when(t: dt.datetime) -> str:
-        return t.astimezone(zone).strftime("%a %d %b %H:%M")
+        return local_time(t, zone)
 
     header = ("event", "place", "starts", "parcel", "missing", "hoard starts", "expected done", "status")
     rows = [header]
     for p in plans:
         place = p.event.location or ", ".join(p.event.categories) or "-"
-        if p.status in ("ready", "covered"):
+        if p.status in NO_HOARD:
             rows.append((p.event.summary or p.event.uid, place, when(p.event.start), p.parcel,
-                         human_bytes(p.missing_bytes), "-", "-", p.status))
+                         "-" if p.status == "running here" else human_bytes(p.missing_bytes), "-", "-", p.status))
         else:
             rows.append((p.event.summary or p.event.uid, place, when(p.event.start), p.parcel,
                          human_bytes(p.missing_bytes), when(p.start), when(p.finish), p.status))
@@ -428,7 +457,7 @@ def format_history(done: dict[str, Any], zone: ZoneInfo) -> str:
     timing = (f"{ahead / 60:.0f} min before it started" if ahead >= 0 else f"{-ahead / 60:.0f} min after it started")
     return (f"hoarded {done['parcel']} version {done['version']} for {done['event']!r}: "
             f"{human_bytes(int(done['bytes']))} in {float(done['seconds']):.1f} s, done "
-            f"{finished.strftime('%a %d %b %H:%M')}, {timing}")
+            f"{local_time(finished, zone)}, {timing}")
 
 
 # --- the runner -----------------------------------------------------------------------------------------
@@ -508,7 +537,7 @@ class Runner:
         plans = plan(read.occurrences, self.parcels(config), self.inventory, config, state.throughput(), now)
         self._log_plan(plans, config.zone())
         for hoard in plans:
-            if hoard.status in ("ready", "covered") or state.is_done(hoard) or hoard.start > now:
+            if hoard.status in NO_HOARD or state.is_done(hoard) or hoard.start > now:
                 continue
             if self.stopping.is_set():
                 break
@@ -525,7 +554,7 @@ class Runner:
                      hoard.parcel, seconds, nbytes * 8 / 1e6 / seconds if seconds > 0 else 0.0,
                      hoard.event.summary or "the event", (hoard.event.start - self.clock()).total_seconds())
             now = self.clock()
-        pending = [p.start for p in plans if p.status not in ("ready", "covered") and not state.is_done(p)
+        pending = [p.start for p in plans if p.status not in NO_HOARD and not state.is_done(p)
                    and p.start > now]
         wait = self.replan_s
         if pending:
@@ -538,7 +567,7 @@ class Runner:
             return t.astimezone(zone).strftime("%H:%M:%S")
 
         lines = [f"{p.parcel} v{p.version} for {p.event.summary!r} at {p.event.start.astimezone(zone):%a %H:%M}: "
-                 + (p.status if p.status in ("ready", "covered") else
+                 + (p.status if p.status in NO_HOARD else
                     f"{human_bytes(p.missing_bytes)} missing, hoard {when(p.start)}-{when(p.finish)} ({p.status})")
                  for p in plans]
         if lines != self._logged_plan:

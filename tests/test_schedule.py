@@ -351,3 +351,17 @@ def test_an_event_with_two_rrules_is_read_and_a_broken_one_reported() -> None:
     got = read(data, utc(2026, 11, 23), days=10)
     assert [o.start for o in got.occurrences] == [utc(2026, 11, 24, 9), utc(2026, 11, 25, 9), utc(2026, 12, 1, 9)]
     assert [(p.line, p.message) for p in got.problems] == [(28, "event skipped: RRULE without FREQ")]
+
+
+def test_a_recurrence_that_cannot_be_expanded_skips_that_event_only() -> None:
+    """BYHOUR=25 passes the parser but makes the recurrence library fail: that used to fail the whole calendar
+    with CalendarError; now that event is skipped with a problem line and the others are still read."""
+    data = calendar(event("fine", "SUMMARY:Standup", "DTSTART:20261124T090000Z", "RRULE:FREQ=DAILY;COUNT=2"),
+                    event("bad", "SUMMARY:Odd", "DTSTART:20261124T100000Z", "RRULE:FREQ=DAILY;BYHOUR=25"),
+                    event("once", "SUMMARY:Review", "DTSTART:20261126T100000Z"))
+    got = read(data, utc(2026, 11, 23), days=10)
+    assert [(o.uid, o.start) for o in got.occurrences] == [("fine", utc(2026, 11, 24, 9)), ("fine", utc(2026, 11, 25, 9)),
+                                                           ("once", utc(2026, 11, 26, 10))]
+    (problem,) = got.problems
+    assert data.decode().splitlines()[problem.line - 1] == "BEGIN:VEVENT"
+    assert problem.message.startswith("event 'Odd' skipped: its recurrence cannot be expanded")

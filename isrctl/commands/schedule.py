@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime as dt
 import json
 import logging
 import signal
@@ -13,10 +14,13 @@ from typing import Any
 
 from isrprogress import LogReporter
 
+from .. import calendar as ical
 from .. import hoard as hoardmod
 from .. import paths
 from .. import schedule as schedulemod
 from ..checkout import Client
+from ..remote import RemoteUnreachable
+from . import common
 
 log = logging.getLogger("isrctl")
 
@@ -134,6 +138,21 @@ def _schedule_parcels(config: schedulemod.ScheduleConfig, inventory: hoardmod.Se
     return list(config.parcels) or [p["name"] for p in inventory.parcels() if p.get("current_version")]
 
 
+def _plan_offline(config: schedulemod.ScheduleConfig, read: ical.CalendarRead, state: schedulemod.RunnerState,
+                  now: dt.datetime, why: RemoteUnreachable) -> tuple[list[schedulemod.PlannedHoard], str]:
+    """The plan from the last known state while the server is away, and the line that says so. Raises the
+    server's error if this site never planned with it."""
+    known = state.known
+    if not known.get("missing"):
+        raise why
+    inventory = hoardmod.KnownInventory(known)
+    plans = schedulemod.plan(read.occurrences, list(config.parcels) or inventory.parcels(), inventory, config,
+                             state.throughput(), now)
+    at = dt.datetime.fromtimestamp(float(known.get("at", 0)), dt.timezone.utc)
+    return plans, (f"the server is unreachable ({why}): planned from the last known state, of "
+                   f"{schedulemod.local_time(at, config.zone())}")
+
+
 def cmd_schedule_show(args: argparse.Namespace) -> int:
     config = _schedule_config()
     if args.days is not None:
@@ -142,14 +161,21 @@ def cmd_schedule_show(args: argparse.Namespace) -> int:
     state = schedulemod.RunnerState.load(paths.schedule_state_file())
     now = schedulemod.utc_now()
     read = schedulemod.read_calendars(config, now)
-    with Client() as client:
-        inventory = hoardmod.ServerInventory(client)
-        plans = schedulemod.plan(read.occurrences, _schedule_parcels(config, inventory), inventory, config,
-                                 state.throughput(), now)
+    offline = ""
+    try:
+        with common.quick_client() as client:
+            inventory = hoardmod.ServerInventory(client, known_path=paths.schedule_state_file())
+            plans = schedulemod.plan(read.occurrences, _schedule_parcels(config, inventory), inventory, config,
+                                     state.throughput(), now)
+    except RemoteUnreachable as exc:
+        plans, offline = _plan_offline(config, read, state, now, exc)
     if args.json:
         print(json.dumps({"plans": [schedulemod.plan_json(p) for p in plans],
-                          "problems": [str(p) for p in read.problems], "history": state.history}, indent=1))
+                          "problems": [str(p) for p in read.problems], "history": state.history,
+                          "zone": str(config.zone()), "offline": offline or None}, indent=1))
         return 0
+    if offline:
+        print(offline)
     if not config.rules:
         print("no site rules yet: `isr site add --location TEXT` says which events mean you will be here")
     if not config.calendars:
@@ -169,7 +195,7 @@ def cmd_schedule_run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         stack.enter_context(schedulemod.single_runner(paths.schedule_state_file()))
         client = stack.enter_context(Client())
-        inventory = hoardmod.ServerInventory(client)
+        inventory = hoardmod.ServerInventory(client, known_path=paths.schedule_state_file())
         hoarder = hoardmod.KeylessHoarder(client, inventory, LogReporter(logging.getLogger("isrctl.hoard")))
         runner = schedulemod.Runner(
             paths.schedule_file(), paths.schedule_state_file(),
