@@ -189,3 +189,41 @@ def test_commands_report_their_result_as_json(isr_env: IsrEnv, tmp_path: Path) -
         assert hoarded["hoard"]["mode"] == "working-set", hoarded
         a.isr("clean", parcel.name)
 
+
+def complete(script: Path, function: str, words: list[str]) -> list[str]:
+    """What bash offers after ``words`` (the last one being typed), through the generated completion script."""
+    line = " ".join(words)
+    array = " ".join(f"'{w}'" for w in words)
+    out = subprocess.run(["bash", "-c", f'source "$0"; COMP_WORDS=({array}); COMP_CWORD={len(words) - 1}; '
+                                        f'COMP_LINE="{line}"; COMP_POINT={len(line)}; '
+                                        f'{function} {words[0]} "{words[-1]}" {words[-2]}; '
+                                        f'printf "%s\\n" "${{COMPREPLY[@]}}"', str(script)],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_manual_pages_and_completions_come_from_the_parsers(tmp_path: Path) -> None:
+    share = tmp_path / "share"
+    made = run(str(BIN / "python"), "-m", "tools.clidocs", str(share))
+    assert made.returncode == 0, made.stderr
+    for name, build in PARSERS.items():
+        page = share / "man" / "man1" / f"{name}.1"
+        checked = run("groff", "-man", "-Tutf8", "-ww", "-z", str(page))   # -ww: every warning
+        assert checked.returncode == 0 and checked.stderr == "", checked.stderr
+        shown = run("man", "-l", str(page), env={"MANWIDTH": "100", "MANPAGER": "cat", "LC_ALL": "C.UTF-8"})
+        assert shown.returncode == 0 and f"{name} - " in shown.stdout, shown.stderr
+        assert "--version" in shown.stdout and "--keyfile" not in shown.stdout
+        commands = [c for a in build()._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices]
+        for command in commands:
+            assert f"{name} {command}" in shown.stdout, (name, command)
+        zsh = (share / "zsh" / "site-functions" / f"_{name}").read_text()
+        assert zsh.startswith(f"#compdef {name}") and all(c in zsh for c in commands)
+    isr = share / "bash-completion" / "completions" / "isr"
+    assert {"resume", "suspend", "hoard", "checkin", "passwd"} <= set(complete(isr, "_shtab_isr", ["isr", ""]))
+    assert complete(isr, "_shtab_isr", ["isr", "resume", "--k"]) == ["--key-file"]   # not the hidden --keyfile
+    admin = share / "bash-completion" / "completions" / "isr-admin"
+    assert complete(admin, "_shtab_isr_admin", ["isr-admin", "user", ""]) == ["add", "remove", "password", "list"]
+    assert (isr.parent / "isr-server").exists()
+    isr_page = run("man", "-l", str(share / "man" / "man1" / "isr.1"), env={"MANPAGER": "cat"}).stdout
+    assert re.search(r"Exit\s+status:\s+0\s+done,\s+1\s+failed", isr_page) and "130" in isr_page  # from the epilog
