@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from parcels import crypto, envelope, parcel
+from parcels import crypto, envelope, parcel, secretsource
 from parcels.chunk import DEFAULT_CHUNK_SIZE
 from parcels.errors import ParcelError
 from parcels.store import DirStore
@@ -28,7 +28,8 @@ doc/parcel-format.md describes ("Parcel store layout"). A parcel is a VM's disk 
 chunked, compressed and encrypted; its keys are protected by a passphrase or a key file.
 
 Credentials: the passphrase is never taken on the command line (it would show in `ps`). Put it in an
-environment variable and name that with --passphrase-env, or use --keyfile FILE.
+environment variable and name that with --passphrase-env, or in a file (--passphrase-file), or use
+--key-file FILE.
 
 examples:
   PASS=secret python -m parcels create --store /srv/isr --name ws --disk disk.qcow2 --ram-mib 512 \\
@@ -78,12 +79,18 @@ def _add_store(p: argparse.ArgumentParser) -> None:
 def _add_credentials(p: argparse.ArgumentParser, required: bool, create: bool = False) -> None:
     group = p.add_argument_group("credentials (one of)")
     choice = group.add_mutually_exclusive_group(required=required)
+    # The names and sources of isr and isr-admin (parcels.secretsource); --keyfile and --new-keyfile, the names
+    # before issue 18, still work and are not shown.
+    choice.add_argument("--passphrase-file", metavar="FILE|-",
+                        help="read the passphrase from FILE ('-': the first line of standard input)")
     choice.add_argument("--passphrase-env", metavar="VAR",
                         help="read the passphrase from environment variable VAR")
-    choice.add_argument("--keyfile", type=Path, metavar="FILE", help="use the key file FILE (32 to 4096 bytes)")
+    choice.add_argument("--key-file", type=Path, metavar="FILE", help="use the key file FILE (32 to 4096 bytes)")
+    choice.add_argument("--keyfile", type=Path, dest="key_file", help=argparse.SUPPRESS)
     if create:
-        choice.add_argument("--new-keyfile", type=Path, metavar="FILE",
+        choice.add_argument("--new-key-file", type=Path, metavar="FILE",
                             help="make a new random key file FILE (must not exist) and use it")
+        choice.add_argument("--new-keyfile", type=Path, dest="new_key_file", help=argparse.SUPPRESS)
 
 
 def _add_parcel(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -185,23 +192,21 @@ def _write_new_file(path: Path, data: bytes, what: str) -> None:
             f.write(data)
             os.fsync(f.fileno())
     except FileExistsError:
-        raise CommandError(f"{what} {path} already exists; use it with --keyfile or pick another name") from None
+        raise CommandError(f"{what} {path} already exists; use it with --key-file or pick another name") from None
     except OSError as exc:
         raise CommandError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
 
 
 def _credentials(args: argparse.Namespace) -> dict[str, Any]:
-    if args.passphrase_env:
-        value = os.environ.get(args.passphrase_env)
-        if value is None:
-            raise CommandError(f"environment variable {args.passphrase_env} (from --passphrase-env) is not set")
-        return {"passphrase": value}
-    if getattr(args, "new_keyfile", None):
+    passphrase = secretsource.read_secret(file=args.passphrase_file, env=args.passphrase_env, option="--passphrase")
+    if passphrase is not None:
+        return {"passphrase": passphrase}
+    if getattr(args, "new_key_file", None):
         data = envelope.new_keyfile()
-        _write_new_file(args.new_keyfile, data, "key file")
+        _write_new_file(args.new_key_file, data, "key file")
         return {"keyfile": data}
-    if args.keyfile:
-        return {"keyfile": _read_file(args.keyfile, "key file")}
+    if args.key_file:
+        return {"keyfile": secretsource.read_key_file(args.key_file)}
     return {}
 
 

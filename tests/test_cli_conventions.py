@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from isrctl.cli import build_parser as isr_parser
+from parcels.__main__ import build_parser as parcels_parser
 from server.admin import build_parser as admin_parser
 from server.main import build_parser as server_parser
 from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
@@ -25,6 +26,7 @@ from tests.server_fixtures import BIN, image_with_data
 pytestmark = pytest.mark.timeout(300)
 
 PARSERS = {"isr": isr_parser, "isr-admin": admin_parser, "isr-server": server_parser}
+ALL_PARSERS = {**PARSERS, "python -m parcels": parcels_parser}
 
 
 def run(*args: str, input_text: str | None = None, env: dict[str, str] | None = None
@@ -61,7 +63,7 @@ def options_without_help(parser: argparse.ArgumentParser, path: str) -> Iterator
 
 
 def test_every_option_and_command_has_help() -> None:
-    missing = [m for name, build in PARSERS.items() for m in options_without_help(build(), name)]
+    missing = [m for name, build in ALL_PARSERS.items() for m in options_without_help(build(), name)]
     assert missing == [], f"options or commands without help text: {missing}"
     # The check bites: an option added without help is found.
     parser = isr_parser()
@@ -79,6 +81,35 @@ def test_a_bare_command_prints_its_help() -> None:
         assert out.stderr.startswith(f"usage: {' '.join(args)} ") and "required" not in out.stderr, out.stderr
         for word in shows:
             assert f"\n    {word} " in out.stderr, (args, word, out.stderr)
+
+
+def subparser(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
+    for name in names:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    return parser
+
+
+def shown_options(parser: argparse.ArgumentParser) -> set[str]:
+    return {o for a in parser._actions if a.help != argparse.SUPPRESS for o in a.option_strings}
+
+
+def test_every_tool_spells_the_credential_options_alike() -> None:
+    """The same names in isr, isr-admin and python -m parcels; the old names parse as the new ones, unshown."""
+    for build, path in ((isr_parser, ["checkout"]), (admin_parser, ["version", "rollback"]),
+                        (parcels_parser, ["verify"])):
+        shown = shown_options(subparser(build(), *path))
+        assert {"--passphrase-file", "--passphrase-env", "--key-file"} <= shown, (path, shown)
+        assert not shown & {"--keyfile", "--new-keyfile"}, (path, shown)
+    assert {"--new-passphrase-file", "--new-passphrase-env", "--new-key-file"} <= \
+        shown_options(subparser(isr_parser(), "passwd")) & shown_options(subparser(admin_parser(), "parcel", "copy"))
+    assert {"--password-file", "--password-env"} <= \
+        shown_options(subparser(isr_parser(), "login")) & shown_options(subparser(admin_parser(), "user", "add"))
+    parcel = "00000000-0000-4000-8000-000000000000"
+    for build, args, old, new in ((isr_parser, ["checkout", "p"], "--keyfile", "--key-file"),
+                                  (isr_parser, ["passwd", "p"], "--new-keyfile", "--new-key-file"),
+                                  (parcels_parser, ["verify", "--store", "s", "--parcel", parcel], "--keyfile",
+                                   "--key-file")):
+        assert build().parse_args([*args, old, "k"]) == build().parse_args([*args, new, "k"]), (args, old)
 
 
 def test_admin_takes_secrets_from_a_file_stdin_or_the_environment(tmp_path: Path) -> None:

@@ -294,7 +294,7 @@ def _run_sites(workdir: Path, guest: Any, server: Server, sites: list[Site]) -> 
                 _say(f"  site {site.name}: own config, cache and state ({link})")
 
         with _phase("Site A: isr resume (version 1 is powered off, so the guest boots)"):
-            _quote(site_a.isr("resume", "demo", "--detach", "--vnc", "unix", "--keyfile", str(keyfile)))
+            _quote(site_a.isr("resume", "demo", "--detach", "--vnc", "unix", "--key-file", str(keyfile)))
             with site_a.console() as console:
                 console.wait_ready(90)
         with _phase("Site A: the user works (the guest's workload) and leaves a token in RAM"):
@@ -316,7 +316,7 @@ def _run_sites(workdir: Path, guest: Any, server: Server, sites: list[Site]) -> 
             suspended_at = time.monotonic()
 
         with _phase("Site B: isr resume --policy demand (only the device state now; chunks on first touch)"):
-            out = site_b.isr("resume", "demo", "--detach", "--vnc", "unix", "--policy", "demand", "--keyfile",
+            out = site_b.isr("resume", "demo", "--detach", "--vnc", "unix", "--policy", "demand", "--key-file",
                              str(keyfile))
             _quote(out)
             match = re.search(r"resumed in ([0-9.]+) s", out)
