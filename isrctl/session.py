@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from isrprogress import Reporter, human_bytes
-from parcels import seal
+from parcels import devices, seal
 from parcels.chunk import chunk_count
 from parcels.durable import fsync_path
 from parcels.errors import ParcelError
@@ -61,6 +61,7 @@ from parcels.manifest import IMAGES, Manifest, open_blob, open_manifest, utc_now
 from parcels.parcel import ParcelKeys
 
 from . import compat, pack, paths, room, workingset
+from . import display as displaymod
 from . import config as configmod
 from . import policy as policymod
 from .accel import kvm_works
@@ -69,7 +70,7 @@ from .checkin import compare as compare_changes
 from .checkout import Client, boot_blobs, ensure_checkout
 from .console import CONSOLE_SOCKET, ConsoleRelay
 from .control import CONTROL_SOCKET, ControlServer, Request
-from .errors import IsrError, LockBroken, SessionError, StateError, VMError, VulpesFailure
+from .errors import IsrError, LockBroken, SessionError, StateError, VMError, VMTimeoutError, VulpesFailure
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState, write_file
 from .qemu import VM, VMConfig
 from .remote import RemoteError, RemoteUnreachable, ServerFailure
@@ -77,7 +78,6 @@ from .vulpes import CacheUsage, Vulpes
 
 log = logging.getLogger(__name__)
 
-VNC_SOCKET = "vnc.sock"
 _POLL = 0.2
 #: How long a suspend waits for vulpes's upload while the server takes no chunk (answering errors, or not at
 #: all) before it leaves the new chunks here and tries the checkin, which then says what failed.
@@ -85,6 +85,8 @@ _UPLOAD_STALL = 20.0
 #: How long an ending session waits for its control thread to hand the result to the requester.
 _ANSWER_TIMEOUT = 10.0
 _RENEW_DEFAULT = 60.0
+#: How long `isr poweroff` lets the guest shut itself down (ACPI power button) before pulling the plug.
+POWEROFF_WAIT = 30.0
 
 
 class Refused(SessionError):
@@ -120,17 +122,6 @@ class SessionOptions:
         return cls(**data)
 
 
-def _free_vnc_display() -> str:
-    for display in range(0, 100):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", 5900 + display))
-            except OSError:
-                continue
-            return f"127.0.0.1:{display}"
-    raise SessionError("no free VNC display on 127.0.0.1:5900-5999: give --vnc HOST:DISPLAY or --vnc unix")
-
-
 class Session:
     """One resume of one parcel at this site. `start` brings the VM up; `serve` runs until it ends."""
 
@@ -158,6 +149,11 @@ class Session:
         self._pack_loaded.set()
         self.vnc_text = "none"
         self._vnc: str | None = None
+        #: The VNC display (None: none, or not chosen yet); chosen once, at the first QEMU start.
+        self.display: displaymod.Display | None = None
+        self._display_chosen = False
+        #: The port forwards in use (those whose host port was free at the first QEMU start).
+        self.forwards: list[devices.Forward] | None = None
         self.host: compat.HostQemu | None = None
         # SimpleQueue.put is reentrant: a signal handler may call it.
         self.requests: queue.SimpleQueue[Request] = queue.SimpleQueue()
@@ -186,6 +182,8 @@ class Session:
                                 "version": self.base_version, "policy": self.options.policy,
                                 "disconnected": self.options.disconnected, "pid": os.getpid(),
                                 "vnc": self.vnc_text, "running": self.vm is not None and self.vm.is_running(),
+                                "display": self.display.describe() if self.display else "none",
+                                "forwards": [str(f) for f in self.forwards or []],
                                 "uptime": time.monotonic() - self.started}
         if self.full.since is not None:
             info["paused"] = {"why": "cache-full", "since": round(time.monotonic() - self.full.since, 1),
@@ -290,6 +288,8 @@ class Session:
         info = {"parcel": opts.parcel, "name": opts.name, "version": checkout.version, "policy": opts.policy,
                 "pid": os.getpid(), "control": str(self.runtime / CONTROL_SOCKET),
                 "console": str(self.runtime / CONSOLE_SOCKET), "vnc": self.vnc_text,
+                "vnc_display": self.display.to_json() if self.display else None,
+                "forwards": [str(f) for f in self.forwards or []],
                 "mount": str(self.runtime / "mnt"), "resume_seconds": round(latency, 3),
                 "phases": {k: round(v, 3) for k, v in self.phases.items()},
                 "qemu_pid": self.vm.pid if self.vm else None, "vulpes_pid": self.vulpes.pid if self.vulpes else None,
@@ -299,8 +299,12 @@ class Session:
         how = "booted cold" if devstate is None else "resumed"
         self.reporter.say(f"{opts.name} version {checkout.version} {how} in {latency:.1f} s "
                           f"(t4, policy {opts.policy}: {phases})")
-        self.reporter.say(f"  display  vnc {self.vnc_text}")
-        self.reporter.say(f"  console  {info['console']}")
+        self.reporter.say(f"  display  {self.display.describe() if self.display else 'none'}")
+        self.reporter.say(f"  console  {info['console']} (`isr console {opts.name}`)")
+        if manifest.vm.devices.get("net") == "user":
+            self.reporter.say("  network  user-mode (the guest is 10.0.2.15)"
+                              + "".join(f"; {f.host_addr}:{f.host_port} -> guest {f.proto} port {f.guest_port}"
+                                        for f in self.forwards or []))
         return info
 
     def _has_local_version(self) -> bool:
@@ -466,16 +470,17 @@ class Session:
                 fd, initrd = paths.memory_file("initrd", boot[vm.boot.initrd])
                 self._memfds.append(fd)
             cmdline = vm.boot.cmdline
-        if self._vnc is None and vm.devices.get("display", "vnc") == "vnc":
-            choice = self.options.vnc
-            if choice == "auto":
-                self._vnc = _free_vnc_display()
-            elif choice == "unix":
-                self._vnc = f"unix:{self.runtime / VNC_SOCKET}"
-            else:
-                self._vnc = choice
-            self.vnc_text = self._vnc
+        if not self._display_chosen:
+            self._display_chosen = True
+            if vm.devices.get("display", "vnc") == "vnc":
+                # `--vnc none` keeps the VGA card (the saved state has it) and shows it nowhere.
+                self.display = displaymod.choose(self.options.vnc, self.runtime)
+                self._vnc = self.vnc_text = self.display.qemu_arg if self.display else "none"
+                if self.display is not None:
+                    displaymod.save_password(self.display, self.runtime)
         vnc = self._vnc
+        if self.forwards is None:
+            self.forwards = self._free_forwards(devices.forwards(vm.devices))
         accel = self.options.accel
         if accel == "kvm":
             if kernel is None or not kvm_works(kernel, initrd, marker=b"Run /init as init process",
@@ -484,10 +489,30 @@ class Session:
                 accel = "tcg"
         return VMConfig(disk=self.vulpes.disk, disk_cache="writeback", kernel=kernel, initrd=initrd, cmdline=cmdline,
                         machine=vm.machine, cpu=vm.cpu, memory_mib=vm.ram_mib, smp=vm.smp, accel=accel,
-                        memory_file=self.vulpes.memory, vnc=vnc,
+                        memory_file=self.vulpes.memory, vnc=vnc, user_net=vm.devices.get("net") == "user",
+                        host_forwards=tuple(str(f) for f in self.forwards), rng=vm.devices.get("rng") == "virtio",
                         # Without the boot files (a resume) a reset could not boot again: it ends QEMU, and
                         # the session starts the guest again with them (`_boot_after_reset`).
                         reset_exits=vm.boot is not None and boot is None)
+
+    def _free_forwards(self, wanted: list[devices.Forward]) -> list[devices.Forward]:
+        """The forwards whose host port is free here; each other one is left out with a warning (the VM matters
+        more than a port)."""
+        free = []
+        for forward in wanted:
+            kind = socket.SOCK_STREAM if forward.proto == "tcp" else socket.SOCK_DGRAM
+            with socket.socket(socket.AF_INET, kind) as probe:
+                # As QEMU binds it: a port whose old connections linger in TIME_WAIT is free.
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind((forward.host_addr, forward.host_port))
+                except OSError as exc:
+                    self.reporter.say(f"  warning: port forward {forward} left out: {forward.proto} port "
+                                      f"{forward.host_addr}:{forward.host_port} is not free here ({exc.strerror}); "
+                                      f"free it and resume again, or change the forward with `isr-admin parcel set`")
+                    continue
+            free.append(forward)
+        return free
 
     def _launch(self, manifest: Manifest, boot: dict[str, bytes] | None, *, incoming: bool) -> None:
         """Start a QEMU for the VM (paused), and relay its console (to the clients already attached, if any)."""
@@ -497,6 +522,9 @@ class Session:
             self.vm.launch_incoming()
         else:
             self.vm.launch(paused=True)
+        if self.display is not None and self.display.password is not None:
+            # QEMU refuses every VNC client of a password=on display until it has a password.
+            self.vm.qmp("set_password", {"protocol": "vnc", "password": self.display.password})
         if self.console is None:
             self.console = ConsoleRelay(self.vm.serial, self.runtime / CONSOLE_SOCKET, qemu_dir / "console.log")
         else:
@@ -674,7 +702,8 @@ class Session:
                                            request.reporter, quit_vm=True)
             else:
                 request.result = self._end(POWEROFF, request.checkin and not self.options.disconnected,
-                                           request.reporter, quit_vm=True)
+                                           request.reporter, quit_vm=True,
+                                           wait=0.0 if request.force else request.wait)
         except Refused as exc:
             request.error = str(exc)
             request.kind = type(exc).__name__
@@ -738,8 +767,11 @@ class Session:
                           f"`isr discard {self.options.name}` goes back to version {self.base_version} "
                           f"(this site keeps the lock)")
 
-    def _end(self, kind: str, checkin: bool, reporter: Reporter, *, quit_vm: bool) -> dict[str, Any]:
-        """Suspend (kind SUSPENDED) or power off (POWEROFF) the VM, and check in unless told not to."""
+    def _end(self, kind: str, checkin: bool, reporter: Reporter, *, quit_vm: bool,
+             wait: float | None = None) -> dict[str, Any]:
+        """Suspend (kind SUSPENDED) or power off (POWEROFF) the VM, and check in unless told not to. A poweroff
+        asks the guest to shut down first and pulls the plug after ``wait`` seconds (default `POWEROFF_WAIT`;
+        0: at once)."""
         assert self.vm is not None and self.vulpes is not None and self.manifest is not None
         started = time.monotonic()
         phases: dict[str, float] = {}
@@ -786,8 +818,11 @@ class Session:
                          f"({len(sealed) / 2**20:.1f} MiB sealed), working set {len(change.working_set['disk'])} disk + "
                          f"{len(change.working_set['memory'])} memory chunks")
         else:
-            # A power cut for the guest (QEMU's 'quit' still completes the writes it accepted); the RAM goes.
             self.ending = True
+            if quit_vm:
+                self._shut_down(reporter, POWEROFF_WAIT if wait is None else wait)
+            # A power cut for the guest if it is still on (QEMU's 'quit' still completes the writes it accepted);
+            # the RAM goes.
             self.vm.shutdown()
             with contextlib.suppress(IsrError):
                 self.vulpes.trace_stop()
@@ -828,6 +863,37 @@ class Session:
                          f"the new version")
         result["phases"] = {k: round(v, 3) for k, v in phases.items()}
         return result
+
+    def _shut_down(self, reporter: Reporter, wait: float) -> None:
+        """Press the guest's ACPI power button and give it ``wait`` seconds to power itself off (QEMU then
+        exits); the caller pulls the plug if it has not."""
+        assert self.vm is not None
+        if wait <= 0:
+            reporter.say(f"pulling the plug of {self.options.name}")
+            return
+        try:
+            status = self.vm.query_status()
+            if status != "running":
+                reporter.say(f"the VM is not running ({status}), so it cannot shut itself down: pulling the plug")
+                return
+            self.vm.qmp("system_powerdown")
+        except VMError as exc:
+            reporter.say(f"cannot ask the guest to shut down ({exc}): pulling the plug")
+            return
+        reporter.say(f"asked {self.options.name} to shut down (ACPI power button); pulling the plug after {wait:g} s")
+        started = time.monotonic()
+        deadline = started + wait
+        while True:
+            try:
+                self.vm.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+            except VMTimeoutError:
+                if time.monotonic() >= deadline:
+                    reporter.say(f"the guest did not power off within {wait:g} s: pulling the plug")
+                    return
+                self._renew()   # the lock lease goes on while the guest takes its time
+                continue
+            reporter.say(f"the guest shut down cleanly in {time.monotonic() - started:.1f} s")
+            return
 
     def _make_durable(self, checkin: bool, reporter: Reporter) -> None:
         """Make the guest's RAM (the memory image, written back through QEMU's mapping) and every write vulpes
