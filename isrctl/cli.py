@@ -189,8 +189,19 @@ def build_parser() -> argparse.ArgumentParser:
             "\n"
             "With --no-key (or with no key given and no terminal to ask for one) it needs no key either: the\n"
             "server lists the version's chunks and working set, and the ciphertext is fetched and checked\n"
-            "against its tags; the boot files are kept sealed and checked by the next resume.")
-    p.add_argument("parcel", help="parcel name or UUID")
+            "against its tags; the boot files are kept sealed and checked by the next resume.\n"
+            "\n"
+            "Hoard management: --list shows which parcels are hoarded here and how much of each current version;\n"
+            "--check PARCEL verifies every cached chunk of the parcel against its tag (bad ones are quarantined and\n"
+            "fetched again when needed; exit 1 if any); --drop PARCEL removes its chunks from the cache to free\n"
+            "space, except those another parcel here needs and those not uploaded yet.")
+    p.add_argument("parcel", nargs="?", help="parcel name or UUID")
+    manage = p.add_mutually_exclusive_group()
+    manage.add_argument("--list", action="store_true", help="list the parcels hoarded here and how much of each")
+    manage.add_argument("--check", action="store_true",
+                        help="verify the parcel's cached chunks against their tags; quarantine bad ones")
+    manage.add_argument("--drop", action="store_true",
+                        help="remove the parcel's chunks from the cache (never shared or not-yet-uploaded ones)")
     p.add_argument("--working-set", action="store_true", help="only the working set recorded at the last suspend")
     p.add_argument("--no-key", action="store_true",
                    help="hoard without the parcel key (what `isr schedule run` does)")

@@ -573,3 +573,47 @@ def release_pins(cache_dir: Path, state_dir: Path) -> None:
                           capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise VulpesFailure(f"cannot update the chunk cache {cache_dir}: {proc.stderr.strip() or proc.returncode}")
+
+
+@dataclass(frozen=True)
+class CacheCheck:
+    """What ``vulpes-fetch --check`` found of some tags' objects in the cache."""
+
+    present: int = 0       # verified
+    absent: int = 0        # not in the cache
+    bytes: int = 0         # of the verified ones
+    bad: tuple[str, ...] = ()  # failed verification: quarantined (moved out of the cache), fetched again when needed
+    errors: int = 0        # could not be read (vulpes-fetch said why on stderr)
+
+
+def cache_check(cache_dir: Path, tags: Iterable[str]) -> CacheCheck:
+    """Verify the cached objects of ``tags`` against their tags; a bad one is quarantined (vulpes's own
+    verification, cache.c), so that the next use fetches it again. Raises VulpesFailure if the cache cannot
+    be read."""
+    answer = _cache_tool(cache_dir, "--check", tags)
+    return CacheCheck(present=int(answer.get("present", 0)), absent=int(answer.get("absent", 0)),
+                      bytes=int(answer.get("bytes", 0)), bad=tuple(answer.get("bad", [])),
+                      errors=int(answer.get("errors", 0)))
+
+
+def cache_drop(cache_dir: Path, tags: Iterable[str]) -> tuple[int, int, int]:
+    """Remove the objects of ``tags`` from the cache, except pinned ones (not yet uploaded, or kept for a
+    disconnected session); returns (objects removed, their bytes, pinned objects kept). Raises VulpesFailure."""
+    answer = _cache_tool(cache_dir, "--drop", tags)
+    return int(answer.get("dropped", 0)), int(answer.get("bytes", 0)), int(answer.get("pinned", 0))
+
+
+def _cache_tool(cache_dir: Path, flag: str, tags: Iterable[str]) -> dict[str, Any]:
+    """One JSON answer of ``vulpes-fetch --cache=DIR FLAG`` given ``tags`` (exit 1 with an answer is a finding,
+    not a failure)."""
+    if not cache_dir.is_dir():
+        return {}
+    proc = subprocess.run([str(binary("vulpes-fetch")), f"--cache={cache_dir}", flag], capture_output=True,
+                          text=True, timeout=3600, input="".join(f"{tag}\n" for tag in tags))
+    try:
+        answer = json.loads(proc.stdout.splitlines()[-1])
+    except (ValueError, IndexError):
+        answer = None
+    if not isinstance(answer, dict):
+        raise VulpesFailure(f"cannot read the chunk cache {cache_dir}: {proc.stderr.strip() or proc.returncode}")
+    return answer

@@ -1053,6 +1053,72 @@ int cache_quarantine(Cache *c, const uint8_t tag[CACHE_TAG_LEN]) {
         return r;
 }
 
+int cache_drop(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n, uint64_t *ret_bytes, size_t *ret_pinned) {
+        sqlite3_stmt *pinned = NULL, *del = NULL;
+        uint64_t bytes = 0;
+        size_t kept = 0;
+        int dropped = 0, r;
+
+        pthread_mutex_lock(&c->lock);
+        uses_flush_locked(c);
+        if (sqlite3_exec(c->index, "BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK) {
+                r = -EIO;
+                goto out_unlock;
+        }
+        if (sqlite3_prepare_v2(c->index, "SELECT 1 FROM pins WHERE tag = ?1 LIMIT 1", -1, &pinned, NULL) != SQLITE_OK ||
+            sqlite3_prepare_v2(c->index, "DELETE FROM objects WHERE tag = ?1", -1, &del, NULL) != SQLITE_OK) {
+                r = -EIO;
+                goto out_rollback;
+        }
+        for (size_t i = 0; i < n; i++) {
+                char rel[sizeof("chunks/ab/cd/") + TAG_HEX_LEN];
+                struct stat st;
+                bool is_pinned;
+
+                sqlite3_bind_blob(pinned, 1, tags[i], CACHE_TAG_LEN, SQLITE_STATIC);
+                is_pinned = sqlite3_step(pinned) == SQLITE_ROW;
+                sqlite3_reset(pinned);
+                object_relpath(tags[i], rel);
+                /* The file is the truth (the index may miss it after a crash): its size is what is freed. */
+                if (fstatat(c->dir_fd, rel, &st, AT_SYMLINK_NOFOLLOW) < 0)
+                        continue;
+                if (is_pinned) {
+                        kept++;
+                        continue;
+                }
+                if (unlinkat(c->dir_fd, rel, 0) < 0 && errno != ENOENT) {
+                        r = -errno;
+                        log_error("failed to drop cache object %s/%s: %s", c->dir, rel, strerror(-r));
+                        goto out_rollback;
+                }
+                sqlite3_bind_blob(del, 1, tags[i], CACHE_TAG_LEN, SQLITE_STATIC);
+                sqlite3_step(del);
+                sqlite3_reset(del);
+                bytes += (uint64_t) st.st_size;
+                dropped++;
+        }
+        sqlite3_finalize(pinned);
+        sqlite3_finalize(del);
+        if (sqlite3_exec(c->index, "COMMIT", NULL, NULL, NULL) != SQLITE_OK) {
+                sqlite3_exec(c->index, "ROLLBACK", NULL, NULL, NULL);
+                r = -EIO;
+                goto out_unlock;
+        }
+        c->bytes_est -= bytes < c->bytes_est ? bytes : c->bytes_est;
+        pthread_mutex_unlock(&c->lock);
+        *ret_bytes = bytes;
+        *ret_pinned = kept;
+        return dropped;
+
+out_rollback:
+        sqlite3_finalize(pinned);
+        sqlite3_finalize(del);
+        sqlite3_exec(c->index, "ROLLBACK", NULL, NULL, NULL);
+out_unlock:
+        pthread_mutex_unlock(&c->lock);
+        return r;
+}
+
 /*
  * Opens an object for reading: without atime updates where allowed (the index records use itself, and a
  * first read would dirty every inode), and with *direct, with O_DIRECT if the file system takes it

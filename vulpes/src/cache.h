@@ -72,6 +72,14 @@ void cache_unreserve(Cache *c, uint64_t bytes);
 int cache_quarantine(Cache *c, const uint8_t tag[CACHE_TAG_LEN]);
 
 /*
+ * Removes the objects named by tags that no process has pinned (`isr hoard --drop`: free one parcel's
+ * objects), in one write transaction as eviction does, so that a pin cannot land between the check and the
+ * unlink.  Returns how many were removed (their bytes in *ret_bytes, the pinned ones kept counted in
+ * *ret_pinned; absent ones count in neither) or a negative errno.
+ */
+int cache_drop(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n, uint64_t *ret_bytes, size_t *ret_pinned);
+
+/*
  * Batches make many new objects durable together: cache_batch_add() writes a temporary file,
  * cache_batch_commit() syncs the files (one by one, or the whole file system for a large batch), renames
  * every file into place and syncs the directories.  After commit returns, every object of the batch survives a crash; before, none is visible

@@ -309,6 +309,45 @@ static void test_eviction_order_and_pins(void **state) {
                 free(obj[i]);
 }
 
+/* Dropping a parcel's objects removes them and their index rows, but never a pinned one (another parcel's
+ * writes not yet uploaded), whoever pinned it; absent tags are no error. */
+static void test_drop_spares_pinned_objects(void **state) {
+        Fixture *f = *state;
+        uint8_t *obj[4], tag[4][CHUNK_TAG_LEN];
+        size_t len[4], pinned = 9;
+        uint64_t bytes = 0;
+        CacheStatus st;
+        Cache *c, *other;
+
+        assert_int_equal(cache_open(f->dir, &c), 0);
+        assert_int_equal(cache_open(f->dir, &other), 0);
+        assert_int_equal(cache_set_owner(other, "/state/b"), 0);
+        for (int i = 0; i < 4; i++) {
+                make_object((uint8_t) (i * 13 + 5), 4096, &obj[i], &len[i], tag[i]);
+                if (i < 3)
+                        assert_int_equal(cache_put(c, tag[i], obj[i], len[i], false), 0);
+        }
+        assert_int_equal(cache_pin(other, (const uint8_t (*)[CHUNK_TAG_LEN]) tag[1], 1), 0);
+        assert_int_equal(cache_drop(c, (const uint8_t (*)[CHUNK_TAG_LEN]) tag, 4, &bytes, &pinned), 2);
+        assert_int_equal(bytes, len[0] + len[2]);
+        assert_int_equal(pinned, 1);
+        assert_false(cache_has(c, tag[0]));
+        assert_true(cache_has(c, tag[1]));
+        assert_false(cache_has(c, tag[2]));
+        assert_int_equal(cache_status(c, &st), 0);
+        assert_int_equal(st.objects, 1);
+        assert_int_equal(st.bytes, len[1]);
+        /* Once unpinned it may go too. */
+        assert_int_equal(cache_pins_replace(other, NULL, 0), 0);
+        assert_int_equal(cache_drop(c, (const uint8_t (*)[CHUNK_TAG_LEN]) tag, 4, &bytes, &pinned), 1);
+        assert_int_equal(pinned, 0);
+        assert_false(cache_has(c, tag[1]));
+        cache_free(other);
+        cache_free(c);
+        for (int i = 0; i < 4; i++)
+                free(obj[i]);
+}
+
 /* An object of n incompressible bytes (so that it takes about n bytes in the cache). */
 static void make_random_object(uint32_t seed, size_t n, uint8_t **ret, size_t *ret_len, uint8_t tag[CHUNK_TAG_LEN]) {
         uint8_t *plain = malloc(n), key[CHUNK_KEY_LEN], flags;
@@ -443,6 +482,7 @@ int main(void) {
                 cmocka_unit_test_setup_teardown(test_batch_visible_only_after_commit, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_index_rebuilt_when_lost_or_damaged, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_eviction_order_and_pins, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_drop_spares_pinned_objects, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_put_makes_room_under_the_limit, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_hoard_keeps_its_own_and_reservations_hold, setup, teardown),
         };

@@ -52,12 +52,15 @@ enum {
 static const char usage_text[] =
         "usage: vulpes-fetch --cache=DIR --server=URL --token-file=FILE [options] [< TAGS]\n"
         "       vulpes-fetch --cache=DIR --usage\n"
+        "       vulpes-fetch --cache=DIR --check|--drop [< TAGS]\n"
         "\n"
         "Fetches chunk objects (64 hex digits a line, from --tags=FILE or standard input) that DIR lacks from\n"
         "the ISR server, verifies each against its tag and stores it in the chunk cache DIR.  Needs no key.\n"
         "Prints JSON lines: start, progress, then done, stopped or error.  With --usage, prints what the cache\n"
         "holds and the room on its file system (one JSON line) and fetches nothing; with --unpin=STATE, drops\n"
-        "every pin of that parcel's state directory (after a checkin: the server has its objects).\n"
+        "every pin of that parcel's state directory (after a checkin: the server has its objects).  With\n"
+        "--check, verifies the cached objects of the tags and quarantines bad ones (exit 1 if any); with --drop,\n"
+        "removes them from the cache unless pinned (not yet uploaded).  Each prints one JSON line.\n"
         "\n"
         "  --cache=DIR             shared chunk cache (created if missing)\n"
         "  --server=URL            ISR server base URL (https://host:port)\n"
@@ -74,6 +77,8 @@ static const char usage_text[] =
         "  --usage                 say what the cache holds, from its index, and exit\n"
         "  --owner=STATE           with --usage: also the bytes pinned by that parcel's state directory\n"
         "  --unpin=STATE           drop every pin of that parcel's state directory, and exit\n"
+        "  --check                 verify the cached objects of the tags (quarantine bad ones), and exit\n"
+        "  --drop                  remove the tags' objects from the cache unless pinned, and exit\n"
         "  --log-level=LEVEL       error, warning, info (default), debug\n"
         "  --version               print the version and exit\n";
 
@@ -82,6 +87,8 @@ typedef struct Options {
         const char *owner, *unpin;
         unsigned max_transfers, window, patience_s, progress_ms;
         bool usage;
+        bool check;
+        bool drop;
 } Options;
 
 typedef struct Run Run;
@@ -349,6 +356,8 @@ static int options_parse(int argc, char **argv, Options *o) {
                 { "usage", no_argument, NULL, 'u' },
                 { "owner", required_argument, NULL, 'o' },
                 { "unpin", required_argument, NULL, 'U' },
+                { "check", no_argument, NULL, 'C' },
+                { "drop", no_argument, NULL, 'D' },
                 { "help", no_argument, NULL, 'h' },
                 { "version", no_argument, NULL, 'V' },
                 {},
@@ -370,6 +379,8 @@ static int options_parse(int argc, char **argv, Options *o) {
                 case 'u': o->usage = true; break;
                 case 'o': o->owner = optarg; break;
                 case 'U': o->unpin = optarg; break;
+                case 'C': o->check = true; break;
+                case 'D': o->drop = true; break;
                 case 'm':
                 case 'w':
                 case 'P':
@@ -400,9 +411,14 @@ static int options_parse(int argc, char **argv, Options *o) {
                 log_error("unexpected argument %s: the tags come from --tags=FILE or standard input", argv[optind]);
                 return -EINVAL;
         }
-        if (o->usage || o->unpin) {
+        if (o->check && o->drop) {
+                log_error("--check and --drop exclude each other");
+                return -EINVAL;
+        }
+        if (o->usage || o->unpin || o->check || o->drop) {
                 if (!o->cache_dir) {
-                        log_error("--%s needs --cache=DIR", o->usage ? "usage" : "unpin");
+                        log_error("--%s needs --cache=DIR", o->usage ? "usage" : o->unpin ? "unpin" :
+                                  o->check ? "check" : "drop");
                         return -EINVAL;
                 }
                 return 0;
@@ -493,6 +509,81 @@ static int unpin_owner(const char *cache_dir, const char *state_dir) {
         return r < 0 ? EXIT_FAILURE : EXIT_SUCCESS;
 }
 
+/*
+ * --check and --drop: the tags' objects in the cache, verified (a bad one is quarantined by the read, so
+ * that it is fetched again) or removed unless pinned.  One JSON line; exit 1 if an object was bad or
+ * could not be read or removed.
+ */
+static int check_or_drop(const Options *o) {
+        Item *items = NULL;
+        Cache *cache = NULL;
+        size_t n = 0, present = 0, absent = 0, errors = 0, pinned = 0;
+        uint64_t bytes = 0;
+        json_t *bad = json_array();
+        int r, status = EXIT_FAILURE;
+
+        if (!bad)
+                return EXIT_FAILURE;
+        r = tags_read(o->tags_path, NULL, &items, &n);
+        if (r < 0)
+                goto out;
+        r = cache_open(o->cache_dir, &cache);
+        if (r < 0) {
+                log_error("failed to open the cache %s: %s", o->cache_dir, strerror(-r));
+                goto out_items;
+        }
+        if (o->drop) {
+                uint8_t (*tags)[CACHE_TAG_LEN] = calloc(n ? n : 1, CACHE_TAG_LEN);
+
+                if (!tags)
+                        goto out_cache;
+                for (size_t i = 0; i < n; i++)
+                        memcpy(tags[i], items[i].tag, CACHE_TAG_LEN);
+                r = cache_drop(cache, (const uint8_t (*)[CACHE_TAG_LEN]) tags, n, &bytes, &pinned);
+                free(tags);
+                if (r < 0) {
+                        log_error("failed to drop objects from the cache %s: %s", o->cache_dir, strerror(-r));
+                        goto out_cache;
+                }
+                emit(json_pack("{s:s, s:I, s:I, s:I, s:I}", "event", "drop", "tags", (json_int_t) n,
+                               "dropped", (json_int_t) r, "bytes", (json_int_t) bytes, "pinned", (json_int_t) pinned));
+                status = EXIT_SUCCESS;
+                goto out_cache;
+        }
+        for (size_t i = 0; i < n; i++) {
+                char hex[CACHE_TAG_LEN * 2 + 1];
+                uint8_t *object = NULL;
+                size_t len = 0;
+
+                r = cache_get(cache, items[i].tag, &object, &len);
+                free(object);
+                if (r == 0) {
+                        present++;
+                        bytes += len;
+                } else if (r == -ENOENT) {
+                        absent++;
+                } else if (r == -EBADMSG) {
+                        hex_encode(items[i].tag, CACHE_TAG_LEN, hex);
+                        json_array_append_new(bad, json_string(hex));
+                } else {
+                        hex_encode(items[i].tag, CACHE_TAG_LEN, hex);
+                        log_error("failed to read cache object %s: %s", hex, strerror(-r));
+                        errors++;
+                }
+        }
+        emit(json_pack("{s:s, s:I, s:I, s:I, s:I, s:O, s:I}", "event", "check", "tags", (json_int_t) n,
+                       "present", (json_int_t) present, "absent", (json_int_t) absent, "bytes", (json_int_t) bytes,
+                       "bad", bad, "errors", (json_int_t) errors));
+        status = json_array_size(bad) || errors ? EXIT_FAILURE : EXIT_SUCCESS;
+out_cache:
+        cache_free(cache);
+out_items:
+        free(items);
+out:
+        json_decref(bad);
+        return status;
+}
+
 int main(int argc, char **argv) {
         Options o = { .max_transfers = 16, .window = 64, .patience_s = 120, .progress_ms = 500 };
         static Stats stats;
@@ -517,6 +608,8 @@ int main(int argc, char **argv) {
                 return print_usage_of(&o);
         if (o.unpin)
                 return unpin_owner(o.cache_dir, o.unpin);
+        if (o.check || o.drop)
+                return check_or_drop(&o);
         pthread_condattr_init(&cond_attr);
         pthread_condattr_setclock(&cond_attr, CLOCK_MONOTONIC);
         pthread_cond_init(&run.cond, &cond_attr);
