@@ -44,6 +44,13 @@ class PostgresMeta(SqlMeta):
     def __init__(self, dsn: str, pool_size: int = 8) -> None:
         self.dsn = dsn
         try:
+            # One connection first: a wrong host, port, database, user or password is then one line with
+            # PostgreSQL's reason at once, not the pool's retries logged for 30 seconds.
+            psycopg.connect(dsn, connect_timeout=10).close()
+        except psycopg.Error as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise StorageError(f"cannot connect to PostgreSQL ({_safe(dsn)}): {reason}") from None
+        try:
             self.pool = psycopg_pool.ConnectionPool(dsn, min_size=1, max_size=pool_size, open=True, timeout=30,
                                                     kwargs={"connect_timeout": 10})
             self.pool.wait(timeout=30)
@@ -70,5 +77,10 @@ class PostgresMeta(SqlMeta):
 
 
 def _safe(dsn: str) -> str:
-    """The DSN without a password, for messages."""
-    return " ".join(part for part in dsn.split() if not part.startswith("password="))
+    """The DSN without a password, for messages (key=value or URI form)."""
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.Error:
+        return "an unreadable connection string"
+    params.pop("password", None)
+    return psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in params.items()})

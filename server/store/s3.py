@@ -29,6 +29,7 @@ class S3Store(ObjectStore):
         self.bucket = config["store.bucket"]
         self.endpoint = config["store.endpoint"]
         self.prefix = config["store.prefix"]
+        self.access_key = config["store.access_key"]
         session = boto3.session.Session()
         options = botocore.config.Config(
             region_name=config["store.region"],
@@ -67,6 +68,11 @@ class S3Store(ObjectStore):
                 return StorageError(f"S3 {what} failed: there is no bucket {self.bucket} at {self.endpoint}: create "
                                     f"it (e.g. `aws s3 mb s3://{self.bucket} --endpoint-url {self.endpoint}`) or "
                                     f"set store.bucket to an existing one")
+            if bucket_request and code in ("403", "Forbidden", "AccessDenied", "InvalidAccessKeyId",
+                                           "SignatureDoesNotMatch"):
+                return StorageError(f"S3 {what} failed: {code} {message}".rstrip() + f": the key "
+                                    f"{self.access_key or '(from the AWS environment)'} may not use bucket {self.bucket} "
+                                    f"at {self.endpoint}: check store.access_key, store.secret_key and the key's policy")
             return StorageError(f"S3 {what} failed: {code} {message}".rstrip())
         return StorageError(f"S3 {what} failed: {error}")
 
