@@ -31,12 +31,17 @@ KERNEL_CMDLINE = ("console=ttyS0 quiet loglevel=4 8250.nr_uarts=1 i8042.noaux i8
 
 def guest_config(artifacts: GuestArtifacts, disk: Path | None, **overrides: Any) -> VMConfig:
     """The VM configuration that boots ``artifacts``' kernel and initramfs with ``disk`` as /dev/vda (None: no
-    disk here, the caller adds its own drive through ``extra_args``).
+    disk here, the caller adds its own drive through ``extra_args``); for the disk-booted guest, one that
+    boots ``disk`` through its bootloader.
 
     ``overrides`` replace any `VMConfig` field (``memory_file``, ``disk_cache``, ``accel``, ...).
     """
-    config = VMConfig(disk=disk, kernel=artifacts.kernel, initrd=artifacts.initrd, cmdline=KERNEL_CMDLINE,
-                      machine="pc-q35-7.2", cpu="qemu64", memory_mib=256, smp=1, accel="tcg")
+    if artifacts.boots_from_disk:
+        # Firmware (SeaBIOS), then the disk's own bootloader, kernel and initramfs.
+        config = VMConfig(disk=disk, machine="pc-q35-7.2", cpu="qemu64", memory_mib=256, smp=1, accel="tcg")
+    else:
+        config = VMConfig(disk=disk, kernel=artifacts.kernel, initrd=artifacts.initrd, cmdline=KERNEL_CMDLINE,
+                          machine="pc-q35-7.2", cpu="qemu64", memory_mib=256, smp=1, accel="tcg")
     return dataclasses.replace(config, **overrides) if overrides else config
 
 

@@ -24,7 +24,7 @@ from parcels.durable import fsync_path
 
 from . import debian
 from .archive import WorkloadExpectation, collect_python_sources, expected_workload, write_archive
-from .disk import make_ext4_image
+from .disk import make_boot_disk, make_ext4_image
 from .errors import GuestBuildError
 from .initramfs import build_initramfs
 from .kernel import extract_vmlinux
@@ -63,6 +63,9 @@ class Variant:
     #: run.sh writes this many new files of this size (and deletes every other one).
     new_files: int
     new_file_kib: int
+    #: A PC disk with a bootloader and a Debian root (`_build_disk_guest`), not a kernel, initramfs and
+    #: data disk for direct boot.
+    boots_from_disk: bool = False
 
 
 VARIANTS: dict[str, Variant] = {
@@ -71,6 +74,10 @@ VARIANTS: dict[str, Variant] = {
     # ~31 MB of source in ~1500 files and 64 MB of new data: for benchmarks.
     "big": Variant("big", ("libpython3.11-minimal", "libpython3.11-stdlib", "libpython3.11-testsuite"),
                    disk_mib=1024, new_files=64, new_file_kib=1024),
+    # A real PC disk: syslinux in the MBR and on a FAT boot partition, a minimal Debian 12 root (debootstrap
+    # minbase, ~80 MB) with the same agent and workload as "small" under /data. Needs root to build.
+    "diskboot": Variant("diskboot", ("libpython3.11-stdlib",), disk_mib=512, new_files=16, new_file_kib=256,
+                        boots_from_disk=True),
 }
 DEFAULT_VARIANT = "small"
 
@@ -89,6 +96,8 @@ class GuestArtifacts:
     archive: Path
     expected: WorkloadExpectation
     versions: dict[str, str]
+    #: The disk boots through its own bootloader; ``kernel`` and ``initrd`` are the copies on its boot partition.
+    boots_from_disk: bool = False
 
     @classmethod
     def load(cls, directory: Path) -> GuestArtifacts:
@@ -99,7 +108,8 @@ class GuestArtifacts:
                             kernel=directory / manifest["kernel"], initrd=directory / manifest["initrd"],
                             disk=directory / manifest["disk"], archive=directory / manifest["archive"],
                             expected=WorkloadExpectation(**manifest["expected"]),
-                            versions=dict(manifest["versions"]))
+                            versions=dict(manifest["versions"]),
+                            boots_from_disk=bool(manifest.get("boots_from_disk", False)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise GuestBuildError(f"unreadable guest cache entry {directory}: {exc}") from exc
         for path in (artifacts.kernel, artifacts.initrd, artifacts.disk, artifacts.archive):
@@ -110,7 +120,8 @@ class GuestArtifacts:
     def to_json(self) -> dict[str, Any]:
         return {"variant": self.variant, "key": self.key, "directory": str(self.directory),
                 "kernel": str(self.kernel), "initrd": str(self.initrd), "disk": str(self.disk),
-                "archive": str(self.archive), "expected": self.expected.to_json(), "versions": self.versions}
+                "archive": str(self.archive), "expected": self.expected.to_json(), "versions": self.versions,
+                "boots_from_disk": self.boots_from_disk}
 
 
 def cache_root() -> Path:
@@ -182,6 +193,8 @@ def cache_key(spec: Variant, packages: dict[str, debian.Package]) -> str:
     h.update(f"isr-test-guest {_MANIFEST_VERSION}\n{spec!r}\n".encode())
     for name in sorted(packages):
         h.update(f"package {packages[name].spec}\n".encode())
+    if spec.boots_from_disk:
+        h.update(f"cmdline {disk_guest_cmdline()}\n".encode())
     for source in BUILDER_SOURCES:
         path = PACKAGE_DIR / source
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
@@ -217,11 +230,21 @@ def _build_entry(spec: Variant, packages: dict[str, debian.Package], key: str, e
         modules = sorted((kernel_root / "lib" / "modules").glob("*"))
         if len(vmlinuz) != 1 or len(modules) != 1:
             raise GuestBuildError(f"{kernel_name} does not hold exactly one kernel and one module tree")
-        extract_vmlinux(vmlinuz[0], out / "vmlinux")
-        log.info("kernel %s, unpacked to vmlinux for direct (PVH) boot", vmlinuz[0].name)
+        files_dir = FILES_DIR
+        if spec.boots_from_disk:
+            # The bootloader loads the bzImage as it is; the initramfs's /init is the first stage that finds
+            # the root file system (files/disk-init), with every other file as in the direct-boot guest's.
+            shutil.copyfile(vmlinuz[0], out / "vmlinuz")
+            files_dir = work / "files"
+            shutil.copytree(FILES_DIR, files_dir)
+            shutil.copyfile(FILES_DIR / "disk-init", files_dir / "init")
+        else:
+            extract_vmlinux(vmlinuz[0], out / "vmlinux")
+            log.info("kernel %s, unpacked to vmlinux for direct (PVH) boot", vmlinuz[0].name)
 
-        order = build_initramfs(busybox=roots[BUSYBOX_PACKAGE] / "bin" / "busybox", modules_dir=modules[0],
-                                files_dir=FILES_DIR, staging=work / "initramfs", dest=out / "initrd.cpio")
+        busybox = roots[BUSYBOX_PACKAGE] / "bin" / "busybox"
+        order = build_initramfs(busybox=busybox, modules_dir=modules[0], files_dir=files_dir,
+                                staging=work / "initramfs", dest=out / "initrd.cpio")
         log.info("initramfs %.1f MB, modules %s", (out / "initrd.cpio").stat().st_size / 1e6, " ".join(order))
 
         sources: dict[str, Path] = {}
@@ -234,7 +257,7 @@ def _build_entry(spec: Variant, packages: dict[str, debian.Package], key: str, e
                  (out / "source.tar.gz").stat().st_size / 1e6)
 
         content = work / "disk"
-        workload = content / "workload"
+        workload = content / "data" / "workload" if spec.boots_from_disk else content / "workload"
         workload.mkdir(parents=True)
         shutil.copyfile(out / "source.tar.gz", workload / "source.tar.gz")
         for script in WORKLOAD_SCRIPTS:
@@ -243,12 +266,16 @@ def _build_entry(spec: Variant, packages: dict[str, debian.Package], key: str, e
         (workload / "config").write_text(
             f"# written by the test guest builder (variant {spec.name})\n"
             f"ARCHIVE=/data/workload/source.tar.gz\nNEW_FILES={spec.new_files}\nNEW_FILE_KIB={spec.new_file_kib}\n")
-        make_ext4_image(content, out / "disk.img", spec.disk_mib)
-        log.info("data disk %d MiB (ext4)", spec.disk_mib)
+        if spec.boots_from_disk:
+            _build_disk_guest(content, busybox, out, spec)
+        else:
+            make_ext4_image(content, out / "disk.img", spec.disk_mib)
+            log.info("data disk %d MiB (ext4)", spec.disk_mib)
 
         manifest = {
             "format": _MANIFEST_VERSION, "variant": spec.name, "key": key,
-            "kernel": "vmlinux", "initrd": "initrd.cpio", "disk": "disk.img", "archive": "source.tar.gz",
+            "kernel": "vmlinuz" if spec.boots_from_disk else "vmlinux", "initrd": "initrd.cpio",
+            "disk": "disk.img", "archive": "source.tar.gz", "boots_from_disk": spec.boots_from_disk,
             "modules": order, "expected": expected.to_json(),
             "versions": {name: p.version for name, p in sorted(packages.items())},
             "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -272,3 +299,52 @@ def _build_entry(spec: Variant, packages: dict[str, debian.Package], key: str, e
         return _use(GuestArtifacts.load(entry))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+#: What the disk-booted guest's Debian root may lose: documentation, translations and apt's caches.
+_ROOT_TRIM = ("usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale", "var/cache/apt",
+              "var/lib/apt/lists")
+#: busybox applets the root gets (in /usr/lib/isr-busybox, last in PATH): what minbase lacks.
+_ROOT_APPLETS = ("poweroff", "reboot", "acpid", "ip", "usleep")
+#: The guest's files in its root, from files/.
+_ROOT_FILES = {"root-init": "sbin/isr-init", "isr-agent": "usr/local/bin/isr-agent",
+               "isr-poweroff": "usr/local/bin/isr-poweroff", "isr-reboot": "usr/local/bin/isr-reboot"}
+
+
+def disk_guest_cmdline() -> str:
+    """The disk-booted guest's kernel command line, as its syslinux.cfg gives it: the direct-boot guest's
+    (`tools.guest.boot.KERNEL_CMDLINE`) and the root partition."""
+    from .boot import KERNEL_CMDLINE  # boot.py imports this module
+    return f"root=/dev/vda2 {KERNEL_CMDLINE}"
+
+
+def _build_disk_guest(content: Path, busybox: Path, out: Path, spec: Variant) -> None:
+    """Make ``out/disk.img``: a Debian root (debootstrap) holding ``content`` (the workload under /data),
+    the agent and busybox, on a PC disk that syslinux boots with ``out``'s kernel and initramfs."""
+    if os.geteuid() != 0:
+        raise GuestBuildError("building the disk-booted guest needs root (debootstrap runs a chroot)")
+    root = content.parent / "root"
+    debian.debootstrap(root, suite=debian.host_suite())
+    for trim in _ROOT_TRIM:
+        shutil.rmtree(root / trim, ignore_errors=True)
+        (root / trim).mkdir(parents=True, exist_ok=True)
+    shutil.copytree(content, root, dirs_exist_ok=True)
+    for source, target in _ROOT_FILES.items():
+        (root / target).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(FILES_DIR / source, root / target)
+        os.chmod(root / target, 0o755)
+    applets = root / "usr" / "lib" / "isr-busybox"
+    applets.mkdir(parents=True)
+    shutil.copyfile(busybox, applets / "busybox")
+    os.chmod(applets / "busybox", 0o755)
+    for applet in _ROOT_APPLETS:
+        (applets / applet).symlink_to("busybox")
+    # busybox acpid runs /etc/acpi/<action>/<code>: the ACPI power button powers the guest off cleanly.
+    (root / "etc" / "acpi" / "PWRF").mkdir(parents=True)
+    (root / "etc" / "acpi" / "PWRF" / "00000080").symlink_to("/usr/local/bin/isr-poweroff")
+    (root / "etc" / "hostname").write_text("isr-disk-guest\n")
+    syslinux_cfg = ("SERIAL 0 115200\nPROMPT 0\nTIMEOUT 0\nDEFAULT isr\nLABEL isr\n  KERNEL /vmlinuz\n"
+                    f"  INITRD /initrd\n  APPEND {disk_guest_cmdline()}\n")
+    make_boot_disk(root, {"vmlinuz": out / "vmlinuz", "initrd": out / "initrd.cpio"}, syslinux_cfg,
+                   out / "disk.img", spec.disk_mib)
+    log.info("boot disk %d MiB: syslinux, FAT16 boot partition, ext4 Debian root", spec.disk_mib)

@@ -1,12 +1,17 @@
-"""The test guest's data disk: a sparse raw ext4 image, filled at creation time, never mounted on the host.
+"""The test guests' disks: sparse raw images, filled at creation time, never mounted on the host.
 
 ``mkfs.ext4 -d DIR`` copies a directory tree into the new file system, so building needs neither root
-privileges for a loop mount nor a running guest.
+privileges for a loop mount nor a running guest. The direct-boot guest's data disk is a bare ext4 file
+system; the disk-booted guest's disk (`make_boot_disk`) is a PC disk: an MBR with syslinux's boot code, a
+FAT boot partition holding syslinux, the kernel and the initramfs, and an ext4 root partition, all written
+into the image file at their offsets (``mkfs.fat --offset``, ``syslinux --offset``, ``mcopy -i IMG@@OFFSET``,
+``mkfs.ext4 -E offset=``), again without a loop device.
 """
 from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 from .errors import GuestBuildError, GuestError
@@ -14,18 +19,68 @@ from .errors import GuestBuildError, GuestError
 #: The file system label; /init mounts /dev/vda by device, the label is only for people looking at it.
 LABEL = "isr-data"
 
+#: syslinux's MBR boot code (Debian: syslinux-common): it boots the partition marked active.
+SYSLINUX_MBR = Path("/usr/lib/syslinux/mbr/mbr.bin")
+#: The disk-booted guest's layout: the boot partition from 1 MiB, 31 MiB of FAT16; the root after it.
+BOOT_START_SECTOR = 2048
+BOOT_SECTORS = 63488
+ROOT_START_SECTOR = BOOT_START_SECTOR + BOOT_SECTORS
+#: Fixed identifiers, so that two builds from the same packages give the same partition table and file
+#: system metadata where the tools allow it.
+DISK_ID = "0x49535231"
+BOOT_VOLUME_ID = "49535231"
+ROOT_UUID = "49535231-6469-736b-2d67-756573740001"
+
 
 def make_ext4_image(content: Path, dest: Path, size_mib: int) -> None:
     """Create ``dest`` as a ``size_mib`` sparse file holding an ext4 file system with ``content``'s files."""
     with open(dest, "wb") as f:
         f.truncate(size_mib << 20)
+    _tool(["mkfs.ext4", "-q", "-F", "-L", LABEL, "-d", str(content), str(dest)], "create the ext4 image", dest)
+
+
+def make_boot_disk(root: Path, boot_files: dict[str, Path], syslinux_cfg: str, dest: Path, size_mib: int) -> None:
+    """Create ``dest``, a bootable ``size_mib`` PC disk: partition 1 (FAT16, active) holds syslinux,
+    ``syslinux.cfg`` and ``boot_files`` (name on the partition -> file); partition 2 (ext4) holds ``root``."""
+    if not SYSLINUX_MBR.is_file():
+        raise GuestBuildError(f"{SYSLINUX_MBR} is missing (Debian: apt-get install syslinux syslinux-common mtools "
+                              "dosfstools fdisk)")
+    with open(dest, "wb") as f:
+        f.truncate(size_mib << 20)
+    table = (f"label: dos\nlabel-id: {DISK_ID}\n"
+             f"start={BOOT_START_SECTOR}, size={BOOT_SECTORS}, type=e, bootable\n"
+             f"start={ROOT_START_SECTOR}, type=83\n")
+    _tool(["sfdisk", "-q", str(dest)], "partition", dest, stdin=table)
+    with open(SYSLINUX_MBR, "rb") as f:
+        boot_code = f.read(440)
+    with open(dest, "r+b") as f:
+        f.write(boot_code)
+    boot_offset = BOOT_START_SECTOR * 512
+    _tool(["mkfs.fat", "-F", "16", "--offset", str(BOOT_START_SECTOR), "-n", "ISRBOOT", "-i", BOOT_VOLUME_ID,
+           str(dest), str(BOOT_SECTORS // 2)], "make the boot file system on", dest)
+    _tool(["syslinux", "--offset", str(boot_offset), "--install", str(dest)], "install syslinux on", dest)
+    with tempfile.TemporaryDirectory(prefix="isr-bootfs-") as scratch:
+        cfg = Path(scratch) / "syslinux.cfg"
+        cfg.write_text(syslinux_cfg)
+        sources = [cfg, *boot_files.values()]
+        for name, path in zip(["syslinux.cfg", *boot_files], sources, strict=True):
+            _tool(["mcopy", "-o", "-i", f"{dest}@@{boot_offset}", str(path), f"::/{name}"], "copy files onto", dest,
+                  env={"MTOOLS_SKIP_CHECK": "1"})
+    root_kib = size_mib * 1024 - ROOT_START_SECTOR // 2
+    _tool(["mkfs.ext4", "-q", "-F", "-L", "isr-root", "-U", ROOT_UUID, "-E",
+           f"offset={ROOT_START_SECTOR * 512},hash_seed={ROOT_UUID}", "-d", str(root), str(dest), f"{root_kib}k"],
+          "make the root file system on", dest)
+
+
+def _tool(args: list[str], doing: str, dest: Path, *, stdin: str | None = None,
+          env: dict[str, str] | None = None) -> None:
     try:
-        result = subprocess.run(["mkfs.ext4", "-q", "-F", "-L", LABEL, "-d", str(content), str(dest)],
-                                capture_output=True, text=True, timeout=300)
+        result = subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=300,
+                                env={**os.environ, **env} if env else None)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise GuestBuildError(f"failed to create the ext4 image {dest}: {exc}") from exc
+        raise GuestBuildError(f"failed to {doing} {dest}: {exc}") from exc
     if result.returncode != 0:
-        raise GuestBuildError(f"failed to create the ext4 image {dest}: {result.stderr.strip()}")
+        raise GuestBuildError(f"failed to {doing} {dest} ({args[0]}): {(result.stderr or result.stdout).strip()}")
 
 
 def copy_disk(source: Path, dest: Path) -> Path:
