@@ -152,8 +152,11 @@ def resume_phases(text: str) -> dict[str, float]:
 
 
 def boot_file_bytes(text: str) -> int:
-    """The sealed sizes of the boot files a command fetched ('fetched boot file kernel: 12.5 MiB sealed')."""
-    return int(sum(float(x) for x in re.findall(r"fetched boot file \S+: ([0-9.]+) MiB sealed", text)) * MIB)
+    """The sealed sizes of the boot files a command fetched, from the summary line of each one's progress bar
+    ('fetching boot file kernel: 12.5 MiB in 0.4 s (31.2 MiB/s), sealed ...')."""
+    units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    return int(sum(float(x) * units[unit]
+                   for x, unit in re.findall(r"fetching boot file \S+: ([0-9.]+) (B|KiB|MiB|GiB) in ", text)))
 
 
 def server_chunks(traces: Path, split: float) -> dict[str, dict[str, int]]:

@@ -77,7 +77,7 @@ def test_guest_continues_at_the_other_site(policy: str, isr_env: IsrEnv, nets: l
         blobs = b.state_dir(parcel) / "blobs"
         if policy not in ("proactive", "eager-ws"):
             # B is a fresh site and the guest's kernel is in its memory image: no boot file crossed the link.
-            assert "fetched boot file" not in out and "boot files" not in out, out
+            assert "fetching boot file" not in out and "boot files" not in out, out
             assert not blobs.exists() or not any(blobs.iterdir()), list(blobs.iterdir())
 
         # t5: the guest carries on exactly where it stopped.

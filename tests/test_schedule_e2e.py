@@ -94,7 +94,7 @@ def test_scheduled_hoard_beats_the_event_and_resume_finds_everything_local(isr_e
         # B resumes with the demand policy: every chunk and both boot files are already here.
         out = b.resume(parcel, "--policy", "demand").stdout
         print(out)
-        assert "version 3 resumed" in out and "fetched boot file" not in out, out
+        assert "version 3 resumed" in out and "fetching boot file" not in out, out
         with b.console(parcel) as console:
             check_continues(console, marks)
         vulpes = b.stat(parcel)["session_status"]["vulpes"]
