@@ -17,6 +17,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.decrepit.ciphers.algorithms import TripleDES
+from cryptography.hazmat.primitives.ciphers import Cipher, modes
 
 from parcels import devices
 from parcels import parcel as parcel_ops
@@ -91,6 +93,20 @@ def rfb_security_types(sock: socket.socket) -> list[int]:
     sock.sendall(b"RFB 003.008\n")
     count = sock.recv(1)[0]
     return list(sock.recv(count))
+
+
+def vnc_password_result(sock: socket.socket, password: str) -> int:
+    """After `rfb_security_types` offered VNC authentication: answer its DES challenge with ``password``; the
+    server's SecurityResult (0: accepted)."""
+    sock.sendall(b"\x02")
+    challenge = b""
+    while len(challenge) < 16:
+        challenge += sock.recv(16 - len(challenge))
+    # The key is the password padded to 8 bytes, each byte's bits reversed (RFC 6143 7.2.2); single DES.
+    key = bytes(int(f"{b:08b}"[::-1], 2) for b in password.encode()[:8].ljust(8, b"\0"))
+    encryptor = Cipher(TripleDES(key * 3), modes.ECB()).encryptor()
+    sock.sendall(encryptor.update(challenge) + encryptor.finalize())
+    return int.from_bytes(sock.recv(4), "big")
 
 
 def test_forward_specs_are_checked_and_written_canonically() -> None:
@@ -191,8 +207,11 @@ def test_poweroff_shuts_down_cleanly_then_forces_after_the_timeout(isr_env: IsrE
         assert "password: `isr viewer`" in out, out
         shown = a.isr("viewer", parcel.name, "--print").stdout
         assert f"0.0.0.0:{5900 + number}" in shown and "password: " in shown
-        with socket.create_connection(("127.0.0.1", 5900 + number), timeout=30) as s:
-            assert rfb_security_types(s) == [2], "a display on the network must ask for a password"
+        password = shown.split("password: ")[1].split()[0]
+        for attempt, accepted in ((password[::-1] + "x", False), (password, True)):
+            with socket.create_connection(("127.0.0.1", 5900 + number), timeout=30) as s:
+                assert rfb_security_types(s) == [2], "a display on the network must ask for a password"
+                assert (vnc_password_result(s, attempt) == 0) == accepted, attempt
         with a.console(parcel) as guest:
             guest.wait_ready(90)
             guest.check("echo kept >/data/before-poweroff")
