@@ -447,6 +447,10 @@ def test_rollback_page_checks_the_version_and_the_lock(server_env: ServerEnv) ->
             assert locked.status_code == 409
             assert "is locked by alice on office-pc (office)" in locked.text and f"/parcels/{parcel}/release" in locked.text
             office.release(parcel, nonce)
+        with Web(server_env) as admin:
+            admin.sign_in("root")
+            shown = admin.get(f"/parcels/{parcel}/rollback?version=1")
+            assert shown.status_code == 200 and "<strong>alice</strong>, who owns the parcel, has logged in" in shown.text
         bob.sign_in("bob")
         assert bob.get(f"/parcels/{parcel}/rollback").status_code == 403
         assert bob.get(f"/parcels/{parcel}/rollback?version=1").status_code == 403
