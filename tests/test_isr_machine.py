@@ -134,6 +134,8 @@ def test_console_viewer_forwards_and_rng(isr_env: IsrEnv, tmp_path: Path) -> Non
         assert f"port forward tcp:127.0.0.1:{busy_port}-:81 left out" in out, out
         assert f"127.0.0.1:{web} -> guest tcp port 80" in out, out
         assert a.session(parcel)["forwards"] == [f"tcp:127.0.0.1:{web}-:80"]
+        stat = a.isr("stat", parcel.name).stdout
+        assert f"forwards tcp:127.0.0.1:{web}-:80" in stat and "(this PC only)" in stat, stat
         with a.console(parcel) as guest:
             guest.wait_ready(90)
             assert guest.check("cat /sys/class/misc/hw_random/rng_current").strip() == "virtio_rng.0"

@@ -22,6 +22,7 @@ from ..rollback import rollback
 from ..status import parcel_status
 from ..vulpes import cache_usage
 from . import common
+from .watch import cmd_top
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -86,6 +87,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_stat(args: argparse.Namespace) -> int:
+    if args.watch:
+        return cmd_top(args)
     states = [common.local_state(args.parcel)] if args.parcel else local_parcels()
     results = [parcel_status(s) for s in states]
     lost, unasked = common.ask_lost_locks(states)
@@ -149,7 +152,10 @@ def cmd_stat(args: argparse.Namespace) -> int:
             status = info.get("session_status", {})
             print(f"session   running (pid {session['pid']}, policy {session.get('policy')}), resumed in "
                   f"{session.get('resume_seconds')} s")
-            print(f"          display vnc {session.get('vnc')}, console {session.get('console')}")
+            print(f"          display {status.get('display') or 'vnc ' + str(session.get('vnc'))}, "
+                  f"console {session.get('console')}")
+            if session.get("forwards"):
+                print(f"          forwards {' '.join(session['forwards'])}")
             if status.get("paused"):
                 print(f"          {status['paused']['message']}")
             vulpes = status.get("vulpes") or {}
