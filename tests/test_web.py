@@ -246,6 +246,14 @@ def test_names_from_clients_are_escaped(server_env: ServerEnv) -> None:
         # A hostile value in the query string comes back escaped in the filter field.
         echoed = admin.get("/admin/audit?parcel=" + urllib.parse.quote(HOSTILE_ATTR))
         assert echoed.status_code in (400, 404) and HOSTILE_ATTR not in echoed.text
+        # The rollback page's refusal names the parcel, escaped; in its command the name is one shell word.
+        rollback = web.get(f"/parcels/{parcel}/rollback?version=1")
+        assert rollback.status_code == 404 and "has no version 1" in rollback.text and HOSTILE not in rollback.text
+    quoted = committed_parcel(server_env, "alice", 2, "it's $(rm -rf ~) <b>")
+    with Web(server_env) as web:
+        web.sign_in("alice")
+        page = web.get(f"/parcels/{quoted}/rollback?version=1").text
+        assert "<code>isr rollback &#39;it&#39;&#34;&#39;&#34;&#39;s $(rm -rf ~) &lt;b&gt;&#39; 1</code>" in page
     with server_env.client("alice") as client:
         client.release(parcel, nonce)
 

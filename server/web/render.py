@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import shlex
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -135,7 +136,7 @@ def nav_links(admin: bool) -> list[tuple[str, str]]:
 ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True,
                          undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 ENV.filters.update(when=when, ago=ago, size=human_bytes, new_blob_bytes=new_blob_bytes, audit_detail=audit_detail,
-                   audit_where=audit_where)
+                   audit_where=audit_where, shell_word=shlex.quote)
 ENV.globals.update(audit_what=audit_what)
 ENV.globals.update(app_title=APP_TITLE, nav_links=nav_links)
 
