@@ -21,11 +21,13 @@ from . import config as configmod
 from . import policy as policymod
 from .commands.account import cmd_login, cmd_logout, cmd_passwd
 from .commands.hoard import cmd_hoard
+from .commands.mount import cmd_mount, cmd_umount
 from .commands.parcels import cmd_checkout, cmd_clean, cmd_discard, cmd_lock, cmd_ls, cmd_rollback, cmd_stat
 from .commands.schedule import (cmd_calendar_add, cmd_calendar_ls, cmd_calendar_rm, cmd_schedule_run, cmd_schedule_set,
                                 cmd_schedule_show, cmd_site_add, cmd_site_ls, cmd_site_rm)
 from .commands.session import cmd_checkin, cmd_poweroff, cmd_resume, cmd_suspend, cmd_sync
 from .commands.view import cmd_console, cmd_viewer
+from .commands.watch import cmd_top
 from .console import DETACH_NAME
 from .display import VIEWERS
 from .errors import IsrError, LockBroken, LockRefused
@@ -292,9 +294,47 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--watch", type=float, default=30.0, metavar="SECONDS",
                    help="look for changed calendars and new versions this often (default 30)")
 
+    def watch_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                       help="with --watch: seconds between updates (default 1)")
+        p.add_argument("--count", type=int, default=0, metavar="N", help="with --watch: stop after N updates "
+                                                                          "(default: until Ctrl-C or the parcel stops)")
+
     p = cmd("stat", cmd_stat, "show local state: version, lock, dirty chunks, cache, hoard, memory image")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: all with local state)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", action="store_true", help="machine-readable output (with --watch: a JSON line an update)")
+    p.add_argument("--watch", action="store_true",
+                   help="follow a parcel in use here live: dirty bytes, cache fill, fetch and upload rates, demand "
+                        "misses, hoard (also `isr top`)")
+    watch_options(p)
+
+    p = cmd("top", cmd_top, "follow a running or mounted parcel live (isr stat --watch)",
+            "Follow a parcel resumed or mounted here, refreshed every second on a terminal (one line per update\n"
+            "otherwise): dirty bytes not yet in the cache and bytes not yet uploaded, the chunk cache's fill, the\n"
+            "fetch and upload rates, demand misses per second (guest reads that waited for the server) and the\n"
+            "hoard's progress. Ctrl-C stops watching (the parcel goes on).")
+    p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: the only one running here)")
+    p.add_argument("--json", action="store_true", help="one JSON object per update (shape in doc/isrctl.md)")
+    p.set_defaults(watch=True)
+    watch_options(p)
+
+    p = cmd("mount", cmd_mount, "expose a parcel's disk image in a directory, without running its VM",
+            "Serve the parcel's disk (and memory) image as files DIR/disk and DIR/memory through vulpes, without\n"
+            "running its VM: to copy a file out (`mount -o loop,ro DIR/disk /mnt`), back it up or run fsck.\n"
+            "Chunks not in the cache are fetched on demand. Read-only, from this site's local state if the parcel\n"
+            "has one here, else the server's current version (no lock needed). With --rw: writable, only while\n"
+            "this site holds the lock and the VM is powered off; it then counts as a session, and after\n"
+            "`isr umount DIR` the changes are checked in like a resume's (`isr checkin`). `isr umount DIR` ends it.")
+    p.add_argument("parcel", help="parcel name or UUID")
+    p.add_argument("dir", help="the directory to mount on (made if missing)")
+    p.add_argument("--rw", action="store_true",
+                   help="writable (needs the lock and a powered-off VM; a session to check in afterwards)")
+    json_result(p)
+    credentials(p)
+
+    p = cmd("umount", cmd_umount, "end an `isr mount` (its writes become local changes to check in)")
+    p.add_argument("dir", help="the directory the parcel is mounted on")
+    json_result(p)
 
     p = cmd("clean", cmd_clean, "remove a parcel's local state (and release its lock)")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID")

@@ -15,7 +15,7 @@ from typing import Any
 from isrprogress import Reporter
 from parcels.chunk import chunk_count
 from parcels.keyring import Keyring
-from parcels.manifest import IMAGES, open_keyring, open_manifest
+from parcels.manifest import IMAGES, Manifest, open_keyring, open_manifest
 from parcels.parcel import ParcelKeys
 from parcels.store import KEYRING_FILES
 
@@ -51,16 +51,8 @@ def hoard_with_key(client: Client, parcel: dict[str, Any], state: ParcelState, p
             working_set = manifest.working_set
         hoard_dir = state.dir
     else:
-        _, manifest = client.fetch_manifest(parcel["id"], current, parcel_keys)
         hoard_dir = state.dir / "hoard"
-        shutil.rmtree(hoard_dir, ignore_errors=True)
-        hoard_dir.mkdir(parents=True)
-        for image in IMAGES:
-            sealed = client.remote.get_blob(parcel["id"], current, KEYRING_FILES[image])
-            records = open_keyring(parcel_keys.parcel_key, sealed, manifest, image)
-            with Keyring.create(hoard_dir / f"keyring.{image}", manifest.chunk_size,
-                                manifest.images[image].size) as keyring:
-                keyring.put_many(records)
+        manifest = fetch_keyrings(client, parcel["id"], current, parcel_keys, hoard_dir)
         working_set = manifest.working_set
     client.boot_blobs(state, manifest, parcel_keys, reporter)
     what = "the working set" if working_set_only else "everything"
@@ -73,6 +65,21 @@ def hoard_with_key(client: Client, parcel: dict[str, Any], state: ParcelState, p
     finally:
         if hoard_dir != state.dir:
             shutil.rmtree(hoard_dir, ignore_errors=True)
+
+
+def fetch_keyrings(client: Client, parcel: str, version: int, parcel_keys: ParcelKeys, directory: Path) -> Manifest:
+    """Fetch a version's keyrings into a scratch ``directory`` (emptied first), where a vulpes can serve the
+    version from (its ``--state``); returns the version's manifest."""
+    _, manifest = client.fetch_manifest(parcel, version, parcel_keys)
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    for image in IMAGES:
+        sealed = client.remote.get_blob(parcel, version, KEYRING_FILES[image])
+        records = open_keyring(parcel_keys.parcel_key, sealed, manifest, image)
+        with Keyring.create(directory / f"keyring.{image}", manifest.chunk_size,
+                            manifest.images[image].size) as keyring:
+            keyring.put_many(records)
+    return manifest
 
 
 def _run(state_dir: Path, state: ParcelState, parcel_keys: ParcelKeys, client: Client, reporter: Reporter, *,

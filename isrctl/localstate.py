@@ -185,6 +185,11 @@ class ParcelState:
         self._lock_fd = fd
         return True
 
+    @property
+    def lock_fd(self) -> int | None:
+        """The descriptor of the held state lock (a process that inherits it holds the lock too: `isr mount`)."""
+        return self._lock_fd
+
     def unlock(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)

@@ -131,14 +131,33 @@ def control_request(path: Path, request: dict[str, Any], timeout: float = 120.0)
     return response
 
 
+def unmount(mountpoint: Path, alive: Callable[[], bool]) -> str:
+    """``fusermount3 -u``, retried while the kernel still reports the mount busy (a file QEMU had open or mapped
+    can take a moment to be released after it exits) and the daemon is ``alive``; returns fusermount3's last
+    complaint ("" once unmounted)."""
+    complaint = ""
+    for _ in range(50):
+        result = subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True, text=True, timeout=60)
+        if result.returncode == 0 or not is_mounted(mountpoint):
+            return ""
+        complaint = result.stderr.strip()
+        if not alive():
+            break
+        time.sleep(0.1)
+    log.warning("cannot unmount %s: %s", mountpoint, complaint)
+    return complaint
+
+
 class Vulpes:
     """One vulpes process serving one parcel on ``mountpoint`` (files ``disk``, ``memory``, ``stats``)."""
 
     def __init__(self, *, mountpoint: Path, state_dir: Path, cache_dir: Path, control_path: Path, log_path: Path,
                  server: str | None = None, token_file: Path | None = None, pin: str | None = None,
                  trace: Path | None = None, offline: bool = False, lookaside: Sequence[Path] = (),
-                 cache_limit: str = "", extra: Sequence[str] = ()) -> None:
+                 cache_limit: str = "", extra: Sequence[str] = (), keep_fds: Sequence[int] = ()) -> None:
         self.mountpoint = mountpoint
+        #: Descriptors the daemon inherits and holds for its life (`isr mount`: the parcel's state lock).
+        self.keep_fds = tuple(keep_fds)
         self.control_path = control_path
         self.log_path = log_path
         self.args = [str(binary()), str(mountpoint), "-f", f"--state={state_dir}", f"--cache={cache_dir}",
@@ -192,7 +211,7 @@ class Vulpes:
             with open(self.log_path, "ab") as log_file:
                 # Its own session: a Ctrl-C meant for `isr resume` must not kill the daemon under the VM.
                 self.proc = subprocess.Popen([*self.args, f"--key-fd={key_fd}"], stdin=subprocess.DEVNULL,
-                                             stdout=log_file, stderr=log_file, pass_fds=(key_fd,),
+                                             stdout=log_file, stderr=log_file, pass_fds=(key_fd, *self.keep_fds),
                                              start_new_session=True)
         except OSError as exc:
             raise VulpesFailure(f"cannot run {self.args[0]}: {exc.strerror}") from None
@@ -334,20 +353,7 @@ class Vulpes:
             raise VulpesFailure(f"vulpes exited with code {code}:\n{self.output()}")
 
     def _unmount(self) -> str:
-        """``fusermount3 -u``, retried while the kernel still reports the mount busy (a file QEMU had open
-        or mapped can take a moment to be released after it exits); returns fusermount3's last complaint."""
-        complaint = ""
-        for _ in range(50):
-            result = subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True, text=True,
-                                    timeout=60)
-            if result.returncode == 0 or not is_mounted(self.mountpoint):
-                return ""
-            complaint = result.stderr.strip()
-            if self.proc is not None and self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        log.warning("cannot unmount %s: %s", self.mountpoint, complaint)
-        return complaint
+        return unmount(self.mountpoint, lambda: self.proc is not None and self.proc.poll() is None)
 
     def kill(self) -> None:
         """``kill -9`` the daemon and detach its mount. Safe to call at any time, more than once."""

@@ -9,6 +9,8 @@ amount done, then `close` it. Which reporter decides how that shows:
 - `JsonReporter` / `Replayer`: across processes as JSON lines (a detached `isr` session).
 - `NullReporter`: nothing.
 
+`LiveView` redraws a few lines in place on a terminal (a live status), one line per update elsewhere.
+
 A rate and an ETA are shown only once `Meter` has measured enough to tell them. `human_bytes` is the
 project's one byte-count formatter. This package imports nothing else of ISR (the layering in
 doc/README.md), so the client and the server both build on it. More in README.md beside this file.
@@ -20,9 +22,9 @@ from .meter import Meter
 from .plain import LogReporter, PlainReporter
 from .relay import JsonReporter, Replayer
 from .reporter import NullReporter, Progress, Reporter
-from .terminal import TerminalReporter, is_terminal
+from .terminal import LiveView, TerminalReporter, is_terminal
 from .units import human_amount, human_bytes, human_duration, human_rate
 
-__all__ = ["Bar", "JsonReporter", "LogReporter", "Meter", "NullReporter", "PlainReporter", "Progress", "Replayer",
+__all__ = ["Bar", "JsonReporter", "LiveView", "LogReporter", "Meter", "NullReporter", "PlainReporter", "Progress", "Replayer",
            "Reporter", "TerminalReporter", "human_amount", "human_bytes", "human_duration", "human_rate",
            "is_terminal"]

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from rich.console import Console
+from rich.live import Live
 from rich.progress import BarColumn, ProgressColumn, Task, TaskID, TextColumn
 from rich.progress import Progress as RichProgress
 from rich.text import Text
@@ -68,6 +69,37 @@ class TerminalReporter:
         if self._live is not None:
             return _LiveBar(self._live, label, total, unit)
         return self._plain.progress(label, total, unit)
+
+
+class LiveView:
+    """A view that is redrawn in place on a terminal (`isr stat --watch`), one line per update elsewhere.
+
+    ``show(lines, line)`` replaces the view with ``lines`` when ``out`` is a terminal (``interactive``) and
+    prints ``line`` otherwise. Use it as a context manager: leaving it keeps the last view on the screen.
+    """
+
+    def __init__(self, out: TextIO | None = None, *, interactive: bool | None = None) -> None:
+        self.out = out if out is not None else sys.stdout
+        self.interactive = is_terminal(self.out) if interactive is None else interactive
+        self._live: Live | None = None
+
+    def __enter__(self) -> LiveView:
+        if self.interactive:
+            console = Console(file=self.out, force_terminal=True, force_interactive=True, highlight=False)
+            self._live = Live(Text(""), console=console, auto_refresh=False)
+            self._live.start()
+        return self
+
+    def show(self, lines: list[str], line: str) -> None:
+        if self._live is not None:
+            self._live.update(Text("\n".join(lines)), refresh=True)
+        else:
+            print(line, file=self.out, flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
 
 
 class _LiveBars:

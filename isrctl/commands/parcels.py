@@ -22,6 +22,7 @@ from ..rollback import rollback
 from ..status import parcel_status
 from ..vulpes import cache_usage
 from . import common
+from .watch import cmd_top
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -86,6 +87,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_stat(args: argparse.Namespace) -> int:
+    if args.watch:
+        return cmd_top(args)
     states = [common.local_state(args.parcel)] if args.parcel else local_parcels()
     results = [parcel_status(s) for s in states]
     lost, unasked = common.ask_lost_locks(states)
