@@ -11,6 +11,7 @@ from parcels.manifest import IMAGES
 
 from . import checkin as checkinmod
 from . import control, paths, workingset
+from . import mount as mountmod
 from .errors import IsrError
 from .localstate import RUNNING, ParcelState
 from .vulpes import cache_object_path, cache_usage
@@ -26,6 +27,9 @@ def parcel_status(state: ParcelState) -> dict[str, Any]:
     info.update({"name": checkout.name, "server": checkout.server, "version": checkout.version,
                  "lock": checkout.lock.__dict__ if checkout.lock else None, "policy": checkout.policy,
                  "local": change.to_json() if change else None})
+    mounted = mountmod.info(state)
+    if mounted is not None:
+        info["mount"] = {key: mounted[key] for key in ("dir", "rw", "version", "pid")}
     session = state.session_info()
     if session is not None:
         info["session"] = session

@@ -194,6 +194,8 @@ def test_mount_serves_the_disk_read_only_and_read_write_as_a_session(isr_env: Is
             other = lab.isr("mount", parcel.name, str(tmp_path / "again"), "--key-file", str(parcel.keyfile),
                             check=False)
             assert other.returncode == 1 and f"mounted on {directory}" in other.stderr
+            resume = lab.resume(parcel, check=False)
+            assert resume.returncode == 1 and f"is mounted on {directory}: `isr umount" in resume.stderr, resume.stderr
             out = lab.isr("umount", str(directory)).stdout
             assert out.startswith(f"unmounted {parcel.name} from {directory}")
         assert not os.path.ismount(directory) and not (lab.state_dir(parcel) / "mount").exists()
@@ -211,7 +213,9 @@ def test_mount_serves_the_disk_read_only_and_read_write_as_a_session(isr_env: Is
         with _mounted(lab, parcel, directory, "--rw") as record:
             assert record["rw"]
             _debugfs(directory / "disk", f"write {note} note.txt", write=True)
-            assert lab.stat(parcel)["local"]["state"] == "running"
+            stat = lab.stat(parcel)
+            assert stat["local"]["state"] == "running" and stat["mount"]["rw"] and stat["mount"]["dir"] == str(directory)
+            assert f"mount     {directory}: version 1, read-write" in lab.isr("stat", parcel.name).stdout
             out = lab.isr("umount", str(directory)).stdout
             assert re.search(r"; [1-9][0-9]* chunks differ from the version checked out: `isr checkin", out), out
         assert lab.stat(parcel)["local"]["state"] == "poweroff"

@@ -147,6 +147,10 @@ def cmd_stat(args: argparse.Namespace) -> int:
             h = info["hoard"]
             print(f"hoard     version {h['version']}: {h['cached']} of {h['chunks']} chunks in the cache "
                   f"({h['fraction']:.0%})")
+        if info.get("mount"):
+            m = info["mount"]
+            print(f"mount     {m['dir']}: version {m['version']}, {'read-write' if m['rw'] else 'read-only'} "
+                  f"(vulpes pid {m['pid']}; `isr umount {m['dir']}` ends it)")
         session = info.get("session")
         if session:
             status = info.get("session_status", {})

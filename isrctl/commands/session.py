@@ -13,6 +13,7 @@ from parcels.manifest import IMAGES
 from .. import checkin as checkinmod
 from .. import config as configmod
 from .. import control, detach, paths
+from .. import mount as mountmod
 from .. import policy as policymod
 from .. import session as sessionmod
 from ..checkout import Client
@@ -54,6 +55,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
             name = parcel["name"]
             if state.busy():
                 info = state.session_info()
+                if (mounted := mountmod.info(state)) is not None:
+                    raise StateError(f"{name} is mounted on {mounted['dir']}: `isr umount {mounted['dir']}` first")
                 raise StateError(f"{name} is already running at this site"
                                  f"{' (session pid ' + str(info['pid']) + ')' if info else ''}: "
                                  f"`isr suspend {name}` first")
