@@ -1,7 +1,8 @@
 """Raw image files on the local disk: reading them chunk by chunk, sparsely, and writing them sparsely.
 
 Reading skips holes with SEEK_DATA/SEEK_HOLE and drops all-zero chunks, so a mostly empty 64 GiB disk
-costs only its data. A qcow2 input is first converted to a temporary sparse raw file with `qemu-img`.
+costs only its data. A qcow2, vmdk, vdi or vhdx input is read through a raw view of it (`parcels.qemuimg`),
+never copied. `boot_problem` says whether a disk could boot through its own bootloader.
 Writing seeks over absent (zero) chunks, so the output is sparse too, and appears under its final name
 only once it is complete.
 """
@@ -11,57 +12,90 @@ import contextlib
 import errno
 import os
 import secrets
-import shutil
 import stat
-import subprocess
+import struct
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
+from parcels import qemuimg
 from parcels.chunk import chunk_count, is_zero
 from parcels.errors import ImageError
 
-QCOW2_MAGIC = b"QFI\xfb"
-# Converting a large qcow2 image can take long; the limit is there only so a hung qemu-img cannot hang us.
-QEMU_IMG_TIMEOUT = 6 * 3600
-
-
-def image_format(path: Path) -> str:
-    """"qcow2" if the file starts with the qcow2 magic, else "raw". Raises ImageError if unreadable."""
-    try:
-        with open(path, "rb") as f:
-            return "qcow2" if f.read(4) == QCOW2_MAGIC else "raw"
-    except OSError as exc:
-        raise ImageError(f"failed to read disk image {path}: {exc.strerror or exc}") from None
+_MBR_SIGNATURE = b"\x55\xaa"
+_GPT_SIGNATURE = b"EFI PART"
+#: The EFI system partition's type: C12A7328-F81F-11D2-BA4B-00A0C93EC93B, in GPT's mixed-endian bytes.
+_ESP_TYPE = bytes.fromhex("28732ac11ff8d211ba4b00a0c93ec93b")
+_MBR_ESP_TYPE = 0xEF
 
 
 @contextlib.contextmanager
-def raw_image(path: str | os.PathLike[str], tmpdir: str | os.PathLike[str] | None = None) -> Iterator[Path]:
-    """Yield the path of a raw version of the disk image at `path`.
+def raw_image(path: str | os.PathLike[str], tmpdir: str | os.PathLike[str] | None = None,
+              fmt: str | None = None) -> Iterator[Path]:
+    """Yield the path of a raw, read-only view of the disk image at `path`, without a copy of it.
 
-    A raw file is used as it is. A qcow2 file is converted with `qemu-img convert -O raw` into a sparse
-    temporary file (in `tmpdir`, default the system's), which is deleted when the context ends. Raises
-    ImageError if the file cannot be read or converted.
+    `path` is raw, qcow2, vmdk, vdi or vhdx (`fmt`, else as qemu-img identifies it), and is checked to be
+    readable, whole and uncorrupted first (`parcels.qemuimg.inspect`). A raw file is used as it is; the
+    others are exported as raw through FUSE from a scratch directory in `tmpdir` (default the system's)
+    until the context ends. Raises ImageError with one line naming the file and what to do.
     """
-    path = Path(path)
-    if image_format(path) == "raw":
-        yield path
-        return
-    qemu_img = shutil.which("qemu-img")
-    if qemu_img is None:
-        raise ImageError(f"{path} is a qcow2 image and converting it needs qemu-img (Debian: qemu-utils)")
-    with tempfile.TemporaryDirectory(prefix="isr-convert-", dir=tmpdir) as scratch:
-        raw = Path(scratch) / "disk.raw"
-        # -f qcow2: never let qemu-img probe the format of an input we already identified.
-        cmd = [qemu_img, "convert", "-q", "-f", "qcow2", "-O", "raw", str(path), str(raw)]
-        try:
-            result = subprocess.run(cmd, capture_output=True, text=True, timeout=QEMU_IMG_TIMEOUT)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise ImageError(f"failed to run {' '.join(cmd)}: {exc}") from None
-        if result.returncode != 0:
-            detail = (result.stderr or result.stdout).strip().splitlines()
-            raise ImageError(f"qemu-img could not convert {path}: {detail[-1] if detail else result.returncode}")
-        yield raw
+    image = qemuimg.inspect(path, fmt)
+    with tempfile.TemporaryDirectory(prefix="isr-image-", dir=tmpdir) as scratch:
+        with qemuimg.raw_view(image, Path(scratch)) as raw:
+            yield raw
+
+
+def check_disk(path: str | os.PathLike[str], fmt: str | None, firmware: str, *, bootable: bool,
+               tmpdir: str | os.PathLike[str] | None = None) -> qemuimg.DiskImage:
+    """Everything that would refuse the disk image at `path` as a parcel's disk, checked before any work:
+    readable, whole, in a known format (`qemuimg.inspect`), a size that is a nonzero multiple of 512, and,
+    with `bootable`, a way to boot under `firmware` (`boot_problem`). Raises ImageError with one line."""
+    image = qemuimg.inspect(path, fmt)
+    if image.virtual_size == 0 or image.virtual_size % 512:
+        raise ImageError(f"disk image {path} is {image.virtual_size} bytes: the size must be a nonzero multiple "
+                         "of 512")
+    if bootable:
+        with tempfile.TemporaryDirectory(prefix="isr-image-", dir=tmpdir) as scratch:
+            with qemuimg.raw_view(image, Path(scratch)) as raw:
+                problem = boot_problem(raw, firmware)
+        if problem is not None:
+            raise ImageError(f"disk image {path} would not boot under {firmware.upper()}: {problem}, and no kernel "
+                             "was given for direct boot; give --kernel, or --force to create the parcel anyway")
+    return image
+
+
+def boot_problem(path: Path, firmware: str) -> str | None:
+    """Why the raw disk image at `path` could not boot under `firmware` ("bios" or "uefi"), or None if
+    it looks bootable: BIOS needs boot code and the MBR boot signature in sector 0; UEFI needs an EFI
+    system partition (in a GPT or an MBR partition table)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(34 * 512)
+            has_gpt = head[512:520] == _GPT_SIGNATURE
+            esp = any(head[446 + 16 * i + 4] == _MBR_ESP_TYPE for i in range(4)) if len(head) >= 512 else False
+            if has_gpt and not esp:
+                esp = _gpt_has_esp(f, head)
+    except OSError as exc:
+        raise ImageError(f"failed to read {path}: {exc.strerror or exc}") from None
+    signed = head[510:512] == _MBR_SIGNATURE
+    if firmware == "uefi":
+        return None if esp else "no EFI system partition (UEFI boots from one)"
+    if not signed:
+        return "no MBR boot signature" + (" (a GPT disk with an EFI system partition: try --firmware uefi)"
+                                          if esp else ", no GPT with an EFI system partition")
+    if not any(head[:440]):
+        return "an empty MBR boot code area (a UEFI-only disk?" + (" try --firmware uefi)" if esp else ")")
+    return None
+
+
+def _gpt_has_esp(f: BinaryIO, head: bytes) -> bool:
+    entries_lba, count, size = struct.unpack_from("<QII", head, 512 + 72)
+    if not 128 <= size <= 4096 or count > 1024:
+        return False
+    f.seek(entries_lba * 512)
+    table = f.read(count * size)
+    return any(table[i * size:i * size + 16] == _ESP_TYPE for i in range(len(table) // size))
 
 
 def image_size(path: Path) -> int:

@@ -25,6 +25,8 @@ from parcels.keyring import KeyringRecord, decode_stream
 
 FORMAT = 1
 IMAGES = ("disk", "memory")
+#: The firmware a VM starts with (``vm.firmware``): legacy BIOS (SeaBIOS, QEMU's default) or UEFI (OVMF).
+FIRMWARES = ("bios", "uefi")
 MAX_NAME = 64
 # A working set can list every chunk of a large disk; 64 MiB of JSON is far beyond any real manifest.
 MAX_MANIFEST_SIZE = 64 << 20
@@ -81,6 +83,8 @@ class VMConfig:
     devices: dict[str, str]
     qemu_version: str | None = None
     boot: BootConfig | None = None
+    #: "bios" (SeaBIOS; the default, also for a manifest that names none) or "uefi" (OVMF).
+    firmware: str = "bios"
 
 
 @dataclass
@@ -115,6 +119,8 @@ class Manifest:
             "machine": self.vm.machine, "cpu": self.vm.cpu, "ram_mib": self.vm.ram_mib, "smp": self.vm.smp,
             "qemu_version": self.vm.qemu_version, "devices": dict(self.vm.devices),
         }
+        if self.vm.firmware != "bios":
+            vm["firmware"] = self.vm.firmware
         if self.vm.boot is not None:
             vm["boot"] = {"kernel": self.vm.boot.kernel, "initrd": self.vm.boot.initrd,
                           "cmdline": self.vm.boot.cmdline}
@@ -213,6 +219,7 @@ class Manifest:
         _check(self.images["memory"].size == vm.ram_mib << 20,
                f"images.memory.size must be vm.ram_mib * 2^20 = {vm.ram_mib << 20}")
         _check(_is_int(vm.smp) and vm.smp >= 1, "vm.smp must be >= 1")
+        _check(vm.firmware in FIRMWARES, f"vm.firmware must be one of {', '.join(FIRMWARES)}")
         if vm.boot is not None:
             for role, blob_name in (("kernel", vm.boot.kernel), ("initrd", vm.boot.initrd)):
                 if blob_name is None and role == "initrd":
@@ -396,6 +403,11 @@ def _field(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: 
     return value
 
 
+def _optional(value: Any, default: Any) -> Any:
+    """``value``, or ``default`` if it is None (absent or null)."""
+    return default if value is None else value
+
+
 def _digest(obj: dict[str, Any], where: str) -> bytes:
     value = _field(obj, "sha256", str, where)
     _check(_HEX256.fullmatch(value) is not None, f"{where}sha256 must be 64 lowercase hex digits")
@@ -445,7 +457,8 @@ def _from_object(obj: Any) -> Manifest:
     vm = VMConfig(machine=_field(vm_obj, "machine", str, "vm."), cpu=_field(vm_obj, "cpu", str, "vm."),
                   ram_mib=_field(vm_obj, "ram_mib", int, "vm."), smp=_field(vm_obj, "smp", int, "vm."),
                   devices=dict(devices),
-                  qemu_version=_field(vm_obj, "qemu_version", str, "vm.", optional=True), boot=boot)
+                  qemu_version=_field(vm_obj, "qemu_version", str, "vm.", optional=True), boot=boot,
+                  firmware=_optional(_field(vm_obj, "firmware", str, "vm.", optional=True), "bios"))
 
     working_set_obj = _field(obj, "working_set", dict, "")
     working_set = {}

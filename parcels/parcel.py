@@ -6,6 +6,7 @@ complete. Readers check everything against the manifest before using it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import uuid
@@ -14,16 +15,17 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from parcels import crypto, envelope, seal
+from parcels import firmware as firmware_files
 from parcels import devices as devices_mod
 from parcels.chunk import DEFAULT_CHUNK_SIZE, chunk_length, decode_chunk, encode_chunk, is_zero, valid_chunk_size
 from parcels.errors import FormatError, ImageError, NotFoundError, ParcelError
-from parcels.image import SparseImageWriter, image_size, raw_image, read_chunks
+from parcels.image import SparseImageWriter, check_disk, image_size, raw_image, read_chunks
 from parcels.keyring import HEADER_SIZE as KEYRING_HEADER_SIZE
 from parcels.keyring import RECORD_SIZE as KEYRING_RECORD_SIZE
 from parcels.keyring import KeyringRecord, encode_stream, unwrap_chunk_key, wrap_chunk_key
 from parcels.manifest import (
-    IMAGES, MAX_NAME, BlobInfo, BootConfig, ImageInfo, Manifest, Timestamps, VMConfig, open_blob, open_keyring,
-    open_manifest, seal_manifest, utc_now,
+    FIRMWARES, IMAGES, MAX_NAME, BlobInfo, BootConfig, ImageInfo, Manifest, Timestamps, VMConfig, open_blob,
+    open_keyring, open_manifest, seal_manifest, utc_now,
 )
 from parcels.store import KEYRING_FILES, MANIFEST, DirStore
 
@@ -166,12 +168,18 @@ def create_parcel(store: DirStore, *, name: str, disk: str | os.PathLike[str], r
                   passphrase: str | None = None, keyfile: bytes | None = None,
                   convergence_secret: bytes | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                   progress: Progress | None = None, log2n: int = envelope.DEFAULT_LOG2N,
-                  tmpdir: str | os.PathLike[str] | None = None) -> uuid.UUID:
+                  tmpdir: str | os.PathLike[str] | None = None, disk_format: str | None = None,
+                  firmware: str = "bios", check_boot: bool = False) -> uuid.UUID:
     """Create a new parcel whose version 1 holds the disk image `disk` and a powered-off VM.
 
-    `disk` is a raw or qcow2 file (qcow2 is converted with qemu-img into `tmpdir` first); its size must
-    be a nonzero multiple of 512. The memory image is all zero and `ram_mib` MiB large. `vm` may set
-    machine, cpu, smp, qemu_version and devices (merged into the defaults). `boot` holds "kernel" and
+    `disk` is a raw, qcow2, vmdk, vdi or vhdx file (`disk_format`, else as qemu-img identifies it), read
+    through a raw view of it (`parcels.image.raw_image`, which first checks it is whole); the disk's size
+    (its virtual size) must be a nonzero multiple of 512. `firmware` is "bios" or "uefi". Without `boot`,
+    the VM boots from the disk through its own bootloader: with `check_boot`, a disk that shows no way to
+    do so under `firmware` (`parcels.image.boot_problem`) is refused with ImageError. A UEFI parcel gets
+    OVMF's empty variable store as its `firmware.NVRAM_BLOB` blob. The memory image is all zero and
+    `ram_mib` MiB large. `vm` may set machine, cpu, smp, qemu_version and devices (merged into the
+    defaults). `boot` holds "kernel" and
     optionally "initrd" (file paths, stored as kind-4 blobs of those names) and "cmdline". The parcel is
     protected by exactly one of `passphrase` (scrypt with log2(N) = `log2n`) or `keyfile`. A random
     convergence secret is made unless one is given (give the user's own to dedup across their parcels).
@@ -204,7 +212,11 @@ def create_parcel(store: DirStore, *, name: str, disk: str | os.PathLike[str], r
     if boot:
         boot_config = BootConfig(kernel="kernel", initrd="initrd" if boot.get("initrd") else None,
                                  cmdline=str(boot.get("cmdline") or ""))
-    vm_config = _vm_config(vm, ram_mib, boot_config)
+    if firmware not in FIRMWARES:
+        raise FormatError(f"unknown firmware {firmware!r}: use one of {', '.join(FIRMWARES)}")
+    vm_config = dataclasses.replace(_vm_config(vm, ram_mib, boot_config), firmware=firmware)
+    # A UEFI parcel keeps its variable store as a blob of its own; refused here if OVMF is not installed.
+    nvram = firmware_files.empty_variable_store() if firmware == "uefi" else None
     parcel = uuid.uuid4()
     now = utc_now()
 
@@ -221,7 +233,9 @@ def create_parcel(store: DirStore, *, name: str, disk: str | os.PathLike[str], r
                             for blob_name in _BOOT_BLOBS if boot.get(blob_name)}).validate()
 
     keys = ParcelKeys(crypto.random_bytes(crypto.KEY_SIZE), secret)
-    with raw_image(disk, tmpdir) as raw:
+    if check_boot and boot_config is None:
+        check_disk(disk, disk_format, firmware, bootable=True, tmpdir=tmpdir)
+    with raw_image(disk, tmpdir, disk_format) as raw:
         disk_size = image_size(raw)
         if disk_size == 0 or disk_size % 512:
             raise ImageError(f"disk image {disk} is {disk_size} bytes: the size must be a nonzero multiple of 512")
@@ -240,6 +254,9 @@ def create_parcel(store: DirStore, *, name: str, disk: str | os.PathLike[str], r
             payload = _read_boot_file(boot[blob_name])
             store.put_blob(parcel, 1, blob_name, seal.seal(keys.parcel_key, seal.KIND_BOOT, payload))
             blobs[blob_name] = BlobInfo(kind=seal.KIND_BOOT, sha256=crypto.sha256(payload), size=len(payload))
+    if nvram is not None:
+        store.put_blob(parcel, 1, firmware_files.NVRAM_BLOB, seal.seal(keys.parcel_key, seal.KIND_BOOT, nvram))
+        blobs[firmware_files.NVRAM_BLOB] = BlobInfo(kind=seal.KIND_BOOT, sha256=crypto.sha256(nvram), size=len(nvram))
     manifest = version_1(images, blobs)
     # Chunks and blobs are in place; the manifest commits the version, the envelope publishes the parcel.
     store.put_blob(parcel, 1, MANIFEST, seal_manifest(keys.parcel_key, manifest))

@@ -20,7 +20,9 @@ from typing import Any
 
 from isrprogress import Reporter, TerminalReporter, human_bytes as size
 from parcels import devices
+from parcels import qemuimg
 from parcels.errors import ParcelError
+from parcels.manifest import FIRMWARES
 from parcels.secretsource import read_key_file, read_secret
 
 from . import auth, names, ops, tls
@@ -187,7 +189,8 @@ class Admin:
         parcel = ops.create_parcel(self.meta, self.store, owner=args.owner, name=args.name, disk=args.disk,
                                    ram_mib=args.ram, passphrase=passphrase, keyfile=keyfile, vm=vm or None,
                                    boot=boot or None, chunk_size=args.chunk_size, log2n=args.scrypt_log2n,
-                                   reporter=self.reporter)
+                                   reporter=self.reporter, disk_format=args.format, firmware=args.firmware,
+                                   force=args.force)
         self.out(self._parcel_json(parcel), lambda: f"created parcel {parcel} ({args.owner}/{args.name}), version 1")
 
     def _parcel_json(self, parcel: str) -> dict[str, Any]:
@@ -447,10 +450,16 @@ def build_parser() -> argparse.ArgumentParser:
     cmd(users, "list", "user_list", "list users")
 
     parcels = noun("parcel", "parcels")
-    p = cmd(parcels, "create", "parcel_create", "create a parcel from a raw or qcow2 disk image")
+    p = cmd(parcels, "create", "parcel_create",
+            "create a parcel from a disk image (raw, qcow2, vmdk, vdi, vhdx; see doc/parcels.md)")
     p.add_argument("--owner", required=True, help="the user who owns it")
     p.add_argument("--name", required=True, help="its name, unique among the owner's parcels")
-    p.add_argument("--disk", required=True, help="raw or qcow2 disk image")
+    p.add_argument("--disk", required=True, help="the disk image: raw, qcow2, vmdk, vdi or vhdx (read, never copied)")
+    p.add_argument("--format", choices=qemuimg.FORMATS, help="the image's format (default: as qemu-img identifies it)")
+    p.add_argument("--firmware", choices=FIRMWARES, default="bios",
+                   help="what the VM boots with when it has no --kernel: bios (SeaBIOS, the default) or uefi (OVMF)")
+    p.add_argument("--force", action="store_true",
+                   help="create it even if the disk shows no bootloader for the firmware and no --kernel is given")
     p.add_argument("--ram", type=int, required=True, metavar="MIB", help="VM memory in MiB")
     p.add_argument("--machine", help="QEMU machine type (versioned, e.g. pc-q35-7.2)")
     p.add_argument("--cpu", help="QEMU CPU model")

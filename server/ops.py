@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -17,21 +18,25 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from isrprogress import NullReporter, Reporter
+from isrprogress import NullReporter, Reporter, human_bytes
 
 from parcels import devices
+from parcels import firmware as firmware_files
+from parcels import qemuimg
 from parcels.envelope import DEFAULT_LOG2N, unwrap_envelope, wrap_envelope
 from parcels.errors import FormatError
+from parcels.image import check_disk
 from parcels.manifest import Manifest, Timestamps, VMConfig, open_manifest, seal_manifest, utc_now
 from parcels.parcel import create_parcel as build_parcel
 from parcels.store import DirStore
 
 from . import auth
-from .errors import BadRequest, Conflict, NotFound, ServerError
+from .errors import BadRequest, Conflict, NotFound, ServerError, StorageError
 from .meta import MetaStore, unpack_tags
 from .names import TAG_RE
 from .store import ObjectStore, chunk_key, envelope_key, staging_prefix, version_prefix
 from .store.base import parcel_prefix
+from .store.directory import DirectoryStore
 
 Progress = Callable[[int, int], None]
 ADMIN_ACTOR = "isr-admin"
@@ -121,13 +126,18 @@ def create_parcel(meta: MetaStore, store: ObjectStore, *, owner: str, name: str,
                   ram_mib: int, passphrase: str | None = None, keyfile: bytes | None = None,
                   vm: dict[str, Any] | None = None, boot: dict[str, Any] | None = None,
                   chunk_size: int | None = None, log2n: int | None = None,
-                  reporter: Reporter | None = None, tmpdir: str | None = None) -> str:
-    """Create a parcel for `owner` from a raw or qcow2 disk image, encrypted under the owner's passphrase
-    or key file, and import it as version 1. Returns the new parcel's UUID. ``reporter`` shows the
-    encryption and the import of the chunks.
+                  reporter: Reporter | None = None, tmpdir: str | None = None, disk_format: str | None = None,
+                  firmware: str = "bios", force: bool = False) -> str:
+    """Create a parcel for `owner` from a raw, qcow2, vmdk, vdi or vhdx disk image, encrypted under the
+    owner's passphrase or key file, and import it as version 1. Returns the new parcel's UUID.
+    ``reporter`` shows the encryption and the import of the chunks. `disk_format` and `firmware` are as
+    `parcels.parcel.create_parcel` takes them; a disk without `boot` that could not boot under `firmware`
+    is refused unless `force`.
 
-    The parcel is built by `parcels.parcel.create_parcel` in a temporary local store (the server never
-    keeps the keys), then its chunks, key envelope and version 1 are put into the configured backend.
+    The image is checked first (readable, whole, in a known format; `parcels.qemuimg.inspect`), and so is
+    the room for its data, here and in the store: a refused image leaves nothing behind. The parcel is
+    then built by `parcels.parcel.create_parcel` in a temporary local store (the server never keeps the
+    keys), and its chunks, key envelope and version 1 are put into the configured backend.
     """
     reporter = reporter or NullReporter()
     found = meta.get_user(owner)
@@ -137,6 +147,11 @@ def create_parcel(meta: MetaStore, store: ObjectStore, *, owner: str, name: str,
     for parcel_info in meta.list_parcels(user.id):
         if parcel_info.name == name:
             raise Conflict(f"user {owner} already has a parcel named {name!r}", code="parcel_exists")
+    # Every refusal comes before any work (and any progress line): a refused image leaves nothing behind.
+    if firmware == "uefi":
+        firmware_files.ovmf_file(firmware_files.VARS)
+    _check_room(check_disk(disk, disk_format, firmware, bootable=not boot and not force, tmpdir=tmpdir), store,
+                tmpdir)
     with tempfile.TemporaryDirectory(prefix="isr-admin-create.", dir=tmpdir) as tmp:
         local = DirStore(Path(tmp) / "store")
         kwargs: dict[str, Any] = {}
@@ -147,7 +162,7 @@ def create_parcel(meta: MetaStore, store: ObjectStore, *, owner: str, name: str,
         with reporter.progress(f"encrypting {Path(disk).name}", 0) as bar:
             parcel_uuid = build_parcel(local, name=name, disk=disk, ram_mib=ram_mib, vm=vm, boot=boot,
                                        passphrase=passphrase, keyfile=keyfile, progress=bar.update, tmpdir=tmp,
-                                       **kwargs)
+                                       disk_format=disk_format, firmware=firmware, **kwargs)
         parcel = str(parcel_uuid)
         root = Path(tmp) / "store"
         with reporter.progress("storing chunks", 0) as bar:
@@ -163,6 +178,21 @@ def create_parcel(meta: MetaStore, store: ObjectStore, *, owner: str, name: str,
         remove_parcel(meta, store, parcel, force=True)
         raise
     return parcel
+
+
+def _check_room(image: qemuimg.DiskImage, store: ObjectStore, tmpdir: str | None) -> None:
+    """Refuse an image whose data would not fit: the chunks are built in a temporary store (``tmpdir``,
+    else the system's) and then copied into the object store, so both need room for them. The data's
+    uncompressed size is the bound (compression is not known before); a store that cannot say how much room
+    it has (S3) is not asked."""
+    places = [("the temporary directory", Path(tmpdir or tempfile.gettempdir()))]
+    if isinstance(store, DirectoryStore):
+        places.append(("the store", store.root))
+    for what, path in places:
+        free = shutil.disk_usage(path).free
+        if image.data_bytes > free:
+            raise StorageError(f"disk image {image.path} holds {human_bytes(image.data_bytes)} of data but {what} "
+                               f"({path}) has {human_bytes(free)} free: make room there, or import a smaller image")
 
 
 def import_chunks(meta: MetaStore, store: ObjectStore, local_root: Path, progress: Progress | None = None) -> list[str]:

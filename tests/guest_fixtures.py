@@ -28,6 +28,16 @@ def guest_artifacts() -> GuestArtifacts:
         pytest.fail(f"cannot build the test guest: {exc}")
 
 
+@pytest.fixture(scope="session")
+def disk_guest_artifacts() -> GuestArtifacts:
+    """The built (cached) disk-booted test guest: a PC disk with syslinux and a Debian root (tools/guest/README.md).
+    Building it the first time needs root and about two minutes; `./bootstrap setup` does it beforehand."""
+    try:
+        return build("diskboot")
+    except GuestBuildError as exc:
+        pytest.fail(f"cannot build the disk-booted test guest: {exc}")
+
+
 @pytest.fixture
 def guest_disk(guest_artifacts: GuestArtifacts, tmp_path: Path) -> Path:
     """A private, writable copy of the guest's pristine data disk."""

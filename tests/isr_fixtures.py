@@ -117,15 +117,16 @@ class IsrEnv:
     def make_parcel(self, name: str | None = None, owner: str = "alice", ram_mib: int = 256,
                     vm: dict[str, Any] | None = None) -> Parcel:
         """A new parcel from the test guest (version 1, powered off) with ``ram_mib`` MiB of guest RAM and the VM
-        settings ``vm`` (isr-admin's ``--vm``), protected by a fresh key file."""
+        settings ``vm`` (isr-admin's ``--vm``), protected by a fresh key file. The disk-booted guest's parcel
+        has no boot files: it boots through the bootloader on its disk."""
         name = name or f"p{secrets.token_hex(4)}"
         keyfile = self.root / f"{name}.key"
         keyfile.write_bytes(os.urandom(32))
+        boot = [] if self.guest.boots_from_disk else ["--kernel", str(self.guest.kernel), "--initrd",
+                                                      str(self.guest.initrd), "--cmdline", KERNEL_CMDLINE]
         result = self.server.admin("--json", "parcel", "create", "--owner", owner, "--name", name,
                                    "--disk", str(self.guest.disk), "--ram", str(ram_mib), "--machine", "pc-q35-7.2",
-                                   "--kernel", str(self.guest.kernel), "--initrd", str(self.guest.initrd),
-                                   "--cmdline", KERNEL_CMDLINE, "--key-file", str(keyfile),
-                                   *(["--vm", json.dumps(vm)] if vm else []))
+                                   *boot, "--key-file", str(keyfile), *(["--vm", json.dumps(vm)] if vm else []))
         return Parcel(name=name, id=json.loads(result.stdout)["id"], keyfile=keyfile)
 
     def extract_disk(self, parcel: Parcel, out: Path, version: int | None = None) -> Any:

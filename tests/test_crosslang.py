@@ -8,6 +8,7 @@ export in C, digests equal, a database written by one opened by the other), and 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 import subprocess
@@ -348,3 +349,23 @@ def test_manifest_sealed_by_c_opened_by_python(codec: Path, tmp_path: Path) -> N
     blob = (tmp_path / "manifest").read_bytes()
     assert open_manifest(pk, blob, parcel=parcel, version=1) == manifest
     assert run_codec(codec, "manifest-open", pk.hex(), parcel, 1, tmp_path / "manifest")["suspended"] == "true"
+
+
+@pytest.mark.parametrize("firmware, accepted", [("uefi", True), ("bios", True), (None, True), ("floppy", False),
+                                                ("", False), (3, False)])
+def test_manifest_firmware_same_in_both(codec: Path, tmp_path: Path, firmware: object, accepted: bool) -> None:
+    """vm.firmware (doc/parcel-format.md): bios or uefi, absent or null meaning bios; anything else is refused
+    by both readers."""
+    parcel, pk = uuid.uuid4(), secrets.token_bytes(32)
+    obj = json.loads(make_manifest(parcel, 1).to_json())
+    obj["vm"]["firmware"] = firmware
+    (tmp_path / "json").write_text(json.dumps(obj))
+    run_codec(codec, "seal", pk.hex(), 1, tmp_path / "json", tmp_path / "manifest")
+    blob = (tmp_path / "manifest").read_bytes()
+    if accepted:
+        assert open_manifest(pk, blob, parcel=parcel, version=1).vm.firmware == (firmware or "bios")
+        run_codec(codec, "manifest-open", pk.hex(), parcel, 1, tmp_path / "manifest")
+    else:
+        with pytest.raises(FormatError):
+            open_manifest(pk, blob, parcel=parcel, version=1)
+        codec_refuses(codec, "manifest-open", pk.hex(), parcel, 1, tmp_path / "manifest")

@@ -208,7 +208,7 @@ def create_parcel(env: ServerEnv, tmp_path: Path, name: str, *extra: str) -> sub
     image_with_data(disk, 3 * MIB, seed=7, data_ranges=[(0, 2 * MIB + 4096)])
     (tmp_path / "pass").write_text("progress passphrase\n")
     return env.admin(*extra, "parcel", "create", "--owner", "alice", "--name", name, "--disk", str(disk),
-                     "--ram", "16", "--passphrase-file", str(tmp_path / "pass"), "--scrypt-log2n", "10")
+                     "--ram", "16", "--passphrase-file", str(tmp_path / "pass"), "--scrypt-log2n", "10", "--force")
 
 
 @pytest.mark.parametrize("server_env", ["sqlite-directory"], indirect=True)

@@ -75,7 +75,7 @@ def create(env: ServerEnv, tmp_path: Path, owner: str, name: str, disk: Path, *e
     pp = tmp_path / f"{name}.pass"
     pp.write_text(PASSPHRASE + "\n")
     return env.admin_json("parcel", "create", "--owner", owner, "--name", name, "--disk", str(disk), "--ram", "16",
-                          "--passphrase-file", str(pp), "--scrypt-log2n", "10", *extra)
+                          "--passphrase-file", str(pp), "--scrypt-log2n", "10", "--force", *extra)
 
 
 def test_users(server_env: ServerEnv, tmp_path: Path) -> None:

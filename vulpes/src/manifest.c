@@ -304,7 +304,7 @@ static bool names_boot_blob(const json_t *root, const json_t *name) {
 }
 
 static bool check_vm(Manifest *m, const json_t *root) {
-        const json_t *vm = json_object_get(root, "vm"), *devices, *boot, *device;
+        const json_t *vm = json_object_get(root, "vm"), *devices, *boot, *device, *firmware;
         const char *machine, *cpu, *key;
 
         REQUIRE(json_is_object(vm), "vm missing or not an object");
@@ -317,6 +317,11 @@ static bool check_vm(Manifest *m, const json_t *root) {
         REQUIRE(m->images[MANIFEST_IMAGE_MEMORY].size == m->ram_mib << 20, "images.memory.size must be vm.ram_mib MiB");
         REQUIRE(get_uint(json_object_get(vm, "smp"), &m->smp) && m->smp >= 1, "vm.smp must be >= 1");
         REQUIRE(string_or_absent(json_object_get(vm, "qemu_version"), true), "vm.qemu_version must be a string");
+        firmware = json_object_get(vm, "firmware");
+        REQUIRE(string_or_absent(firmware, true), "vm.firmware must be a string");
+        if (json_is_string(firmware))
+                REQUIRE(!strcmp(json_string_value(firmware), "bios") || !strcmp(json_string_value(firmware), "uefi"),
+                        "vm.firmware must be one of bios, uefi");
 
         devices = json_object_get(vm, "devices");
         REQUIRE(json_is_object(devices), "vm.devices missing or not an object");
