@@ -8,9 +8,9 @@ raw file without copying it: ``qemu-storage-daemon`` exports it read-only throug
 scratch directory, and the export answers SEEK_DATA/SEEK_HOLE from the image's own allocation map, so a
 mostly empty 64 GiB disk is read only where it has data. A raw image is read as it is.
 
-Measured here (QEMU 7.2, 2 loaded cores) on a 512 MiB disk holding 130 MB of data: reading it chunk by
-chunk through the export of a qcow2 copy took about as long as converting it to a temporary raw file with
-``qemu-img convert``, and needs no room for that file. ``qemu-img convert`` and ``qemu-img dd`` cannot write
+Measured here (QEMU 7.2, 2 cores under a load of ~7, warm page cache): the disk-booted test guest's 512 MiB
+disk as qcow2 (97 MB of nonzero chunks) was read chunk by chunk in 0.19 s through the export, against 0.11 to
+0.19 s for ``qemu-img convert`` to a temporary raw file and reading that, which needs room for the file. ``qemu-img convert`` and ``qemu-img dd`` cannot write
 to a pipe (they resize and seek their output), which is why the export is used.
 """
 from __future__ import annotations
