@@ -35,6 +35,7 @@ from parcels.parcel import ParcelKeys
 
 from . import config as configmod
 from . import paths
+from .checkin import compare
 from .checkout import Client
 from .detach import process_alive
 from .errors import IsrError, StateError
@@ -178,15 +179,12 @@ def _restore(state: ParcelState, previous: LocalChange | None) -> None:
 def umount(directory: Path) -> dict[str, Any]:
     """End the mount on ``directory``: unmount, wait for its vulpes (which makes every write durable on the way
     out), and for --rw record what it changed. Returns the record with ``changed_chunks`` and ``local`` (the
-    local state now). Raises StateError if nothing isr mounted is there or it is still in use."""
+    local state now; the chunks that differ from the version checked out). Raises StateError if nothing isr
+    mounted is there or it is still in use."""
     state, record = find(directory)
     pid = int(record["pid"])
     crashed = not process_alive(pid)
     changed = 0
-    if not crashed and record.get("rw"):
-        with contextlib.suppress(IsrError):
-            images = control_request(Path(record["control"]), {"op": "status"}, timeout=10)["status"]["images"]
-            changed = sum(int(image.get("changed_chunks", 0)) for image in images.values())
     if not crashed:
         complaint = unmount(directory, lambda: process_alive(pid))
         if complaint and is_mounted(directory):
@@ -201,6 +199,8 @@ def umount(directory: Path) -> dict[str, Any]:
     release_mount(directory)
     with state.locked():
         if record.get("rw") and not crashed:
+            # What checkin will find: the local keyrings against the base version's (the one way it is told).
+            changed = compare(state).total_changed
             previous = LocalChange.from_json(record["previous"]) if record.get("previous") else None
             if previous is None and changed:
                 previous = LocalChange(state=POWEROFF, base_suspended=False)

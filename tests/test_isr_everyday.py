@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from isrprogress import LiveView
+from tests.conftest import wait_until
 from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
 from tools.guest.disk import check_ext4
 from tests.isr_fixtures import IsrEnv, Parcel, Site, isr_env, sites  # noqa: F401  (isr_env: pytest fixture)
@@ -228,6 +229,17 @@ def test_mount_serves_the_disk_read_only_and_read_write_as_a_session(isr_env: Is
         assert _debugfs(committed, "cat note.txt") == note.read_text()
         status, output = check_ext4(committed)
         assert status == 0, output
+
+        # A --rw mount whose vulpes dies is a crashed session: damaged until discarded.
+        lab.isr("checkout", parcel.name, "--key-file", str(parcel.keyfile))
+        with _mounted(lab, parcel, directory, "--rw") as record:
+            os.kill(int(record["pid"]), signal.SIGKILL)
+            wait_until(lambda: lab.stat(parcel)["local"]["state"] == "damaged", 30, "the mount to read as damaged")
+            out = lab.isr("umount", str(directory)).stdout
+            assert "its vulpes had exited before" in out and f"`isr discard {parcel.name}`" in out, out
+        assert not os.path.ismount(directory)
+        lab.isr("discard", parcel.name, "--yes")
+        assert lab.stat(parcel)["local"] is None
 
 
 def test_top_follows_a_running_parcel_which_the_plan_shows_as_running(isr_env: IsrEnv, tmp_path: Path) -> None:
