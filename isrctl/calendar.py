@@ -208,6 +208,9 @@ def _check_event(event: icalendar.Event) -> str | None:
             rrules = rrules if isinstance(rrules, list) else [rrules]
             if not all(rrule is not None and rrule.get("FREQ") for rrule in rrules):
                 return "RRULE without FREQ"
+            # INTERVAL=0 makes the expansion loop forever (dateutil), a whole `isr schedule show` with it.
+            if any(int((rrule.get("INTERVAL") or [1])[0]) < 1 for rrule in rrules):
+                return "RRULE with an INTERVAL below 1"
     except (ValueError, TypeError, KeyError) as exc:
         return f"unreadable date: {exc}"
     if not isinstance(start, (dt.date, dt.datetime)):

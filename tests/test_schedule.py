@@ -365,3 +365,12 @@ def test_a_recurrence_that_cannot_be_expanded_skips_that_event_only() -> None:
     (problem,) = got.problems
     assert data.decode().splitlines()[problem.line - 1] == "BEGIN:VEVENT"
     assert problem.message.startswith("event 'Odd' skipped: its recurrence cannot be expanded")
+
+
+def test_a_recurrence_with_interval_zero_is_skipped_not_expanded_forever() -> None:
+    """RRULE INTERVAL=0 made the recurrence library loop forever: `isr schedule show` hung on such a calendar."""
+    data = calendar(event("zero", "SUMMARY:Never", "DTSTART:20261124T090000Z", "RRULE:FREQ=DAILY;INTERVAL=0"),
+                    event("once", "SUMMARY:Review", "DTSTART:20261126T100000Z"))
+    got = read(data, utc(2026, 11, 23), days=10)
+    assert [o.uid for o in got.occurrences] == ["once"]
+    assert [p.message for p in got.problems] == ["event 'Never' skipped: RRULE with an INTERVAL below 1"]
