@@ -307,6 +307,11 @@ class Site:
                         if info.get(key):
                             with contextlib.suppress(ProcessLookupError):
                                 os.kill(int(info[key]), signal.SIGKILL)
+                with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
+                    mounted = json.loads((state / "mount.json").read_text())  # an `isr mount` left behind
+                    subprocess.run(["fusermount3", "-u", "-z", mounted["dir"]], capture_output=True, timeout=30)
+                    if b"vulpes" in Path(f"/proc/{int(mounted['pid'])}/cmdline").read_bytes():
+                        os.kill(int(mounted["pid"]), signal.SIGKILL)
         with open("/proc/self/mounts") as f:
             mounts = [line.split()[1] for line in f if str(self.runtime) in line]
         for mount in mounts:
