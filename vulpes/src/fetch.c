@@ -17,6 +17,12 @@
  * three times; other 4xx).  Transient ones are retried forever with capped exponential backoff, and the
  * status says the fetcher is waiting: a network outage must stall the guest, never fail its I/O.
  *
+ * A transfer that receives nothing for LOW_SPEED_TIME_S is aborted, but over HTTP/2 that only resets its
+ * stream: curl keeps the connection and puts the retry on it again.  A connection whose path died silently
+ * (no RST, no FIN: a NAT or firewall that forgot it, a peer that hangs) would hold every request forever.
+ * So the fetcher keeps the sockets curl opens, and when a transfer times out it shuts down every one that
+ * has received nothing for that long (TCP_INFO), which makes curl drop the connection and open a new one.
+ *
  * Redirects are followed by hand: a redirect to another origin (a presigned S3 URL) is requested without
  * the bearer token and without the server's pinned CA or key (its bytes are verified by tag anyway), so the
  * token never leaves the server it belongs to.
@@ -28,11 +34,15 @@
 #include "fetch.h"
 
 #include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <curl/curl.h>
 
@@ -50,6 +60,7 @@ enum {
         LOW_SPEED_TIME_S = 20,             /* a transfer that moves nothing this long is aborted and retried */
         IDLE_QUIET_MIN_US = 50000,         /* idle requests wait this long after a demand request, at least */
         TOKEN_MAX = 4096,
+        SOCKETS_MAX = 64,                  /* sockets tracked for the silent-connection check */
         OBJECT_MAX = CHUNK_SIZE_MAX + CHUNK_OVERHEAD,
 };
 
@@ -128,6 +139,10 @@ struct Fetcher {
         CURLM *multi;
         pthread_t thread;
         bool thread_started;
+
+        /* The TCP sockets curl opened and has not closed yet (fetch thread only). */
+        int sockets[SOCKETS_MAX];
+        unsigned n_sockets;
 };
 
 static uint64_t now_us(void) {
@@ -291,6 +306,54 @@ static size_t on_upload(char *buffer, size_t size, size_t nitems, void *userdata
         return n;
 }
 
+/* --- sockets: curl opens and closes them through these, so that silent connections can be found --------- */
+
+static curl_socket_t on_open_socket(void *userdata, curlsocktype purpose, struct curl_sockaddr *address) {
+        Fetcher *f = userdata;
+        int fd;
+
+        (void) purpose;
+        fd = socket(address->family, address->socktype | SOCK_CLOEXEC, address->protocol);
+        if (fd < 0)
+                return CURL_SOCKET_BAD;
+        /* Untracked beyond SOCKETS_MAX: such a socket is only not checked. */
+        if (address->socktype == SOCK_STREAM && (address->family == AF_INET || address->family == AF_INET6) &&
+            f->n_sockets < SOCKETS_MAX)
+                f->sockets[f->n_sockets++] = fd;
+        return fd;
+}
+
+static int on_close_socket(void *userdata, curl_socket_t fd) {
+        Fetcher *f = userdata;
+
+        for (unsigned i = 0; i < f->n_sockets; i++)
+                if (f->sockets[i] == fd) {
+                        f->sockets[i] = f->sockets[--f->n_sockets];
+                        break;
+                }
+        return close(fd);
+}
+
+/*
+ * After a transfer timed out: shuts down every connection that has received nothing for as long, so that
+ * curl sees it end and the retries go to a new one.  A live connection carrying other transfers has
+ * received something lately and is left alone.
+ */
+static void close_silent_connections(Fetcher *f) {
+        for (unsigned i = 0; i < f->n_sockets; i++) {
+                struct tcp_info info;
+                socklen_t len = sizeof(info);
+
+                if (getsockopt(f->sockets[i], IPPROTO_TCP, TCP_INFO, &info, &len) < 0)
+                        continue;
+                if (info.tcpi_last_data_recv >= LOW_SPEED_TIME_S * 1000u) {
+                        log_debug("shutting down a connection that received nothing for %u ms",
+                                  info.tcpi_last_data_recv);
+                        (void) shutdown(f->sockets[i], SHUT_RDWR);
+                }
+        }
+}
+
 #define SETOPT(easy, opt, value)                                                                    \
         do {                                                                                        \
                 CURLcode _c = curl_easy_setopt((easy), (opt), (value));                             \
@@ -325,6 +388,10 @@ static int transfer_setup(Fetcher *f, Request *r) {
         SETOPT(e, CURLOPT_LOW_SPEED_LIMIT, 1L);
         SETOPT(e, CURLOPT_LOW_SPEED_TIME, (long) LOW_SPEED_TIME_S);
         SETOPT(e, CURLOPT_TCP_KEEPALIVE, 1L);
+        SETOPT(e, CURLOPT_OPENSOCKETFUNCTION, on_open_socket);
+        SETOPT(e, CURLOPT_OPENSOCKETDATA, f);
+        SETOPT(e, CURLOPT_CLOSESOCKETFUNCTION, on_close_socket);
+        SETOPT(e, CURLOPT_CLOSESOCKETDATA, f);
         SETOPT(e, CURLOPT_USERAGENT, "vulpes/0.1");
 
         curl_slist_free_all(r->headers);
@@ -697,6 +764,8 @@ static void finished_transfers(Fetcher *f) {
                 } else {
                         char why[200];
 
+                        if (code == CURLE_OPERATION_TIMEDOUT)
+                                close_silent_connections(f);
                         snprintf(why, sizeof(why), "%s", f->last_error[0] ? f->last_error : "transfer failed");
                         if (code != CURLE_OK)
                                 snprintf(why, sizeof(why), "%s", curl_easy_strerror(code));
