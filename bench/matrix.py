@@ -319,8 +319,12 @@ def run_site_a(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, n
         versions = client.versions(parcel.id)["versions"]
     stored = next((int(v.get("chunk_bytes") or 0) for v in versions if int(v["version"]) == 2), 0)
     upload_s = t2 - safe if safe is not None else None
+    # The session's own clock from the safe state to the commit and the lock's release (t2 - safe above also
+    # holds the start and exit of the `isr suspend` command itself); older trees do not say it.
+    committed = number_after(r"checked in ([0-9.]+) s after the state was safe", suspend)
     return {"policy_a": policy, "boot_s": boot, "t4_boot": number_after(r"booted cold in ([0-9.]+) s", out),
-            "workload_a_s": workload, "t2": t2, "t2_safe": safe, "checkin_s": upload_s, "checkin_link_bytes": up,
+            "workload_a_s": workload, "t2": t2, "t2_safe": safe, "checkin_s": upload_s, "checkin_session_s": committed,
+            "checkin_link_bytes": up,
             "t2_link_down_bytes": down, "t1_link_down_bytes": work_down, "boot_file_bytes": boot_file_bytes(out),
             "devstate_sealed_bytes": int((devstate or 0) * MIB), "version_chunk_bytes": stored}
 

@@ -30,7 +30,7 @@ from parcels.manifest import IMAGES, BlobInfo, ImageInfo, Manifest, Timestamps, 
 from parcels.parcel import ParcelKeys
 from parcels.store import KEYRING_FILES, MANIFEST
 
-from . import paths, workingset
+from . import background, paths, workingset
 from .checkout import Client, lock_broken_message
 from .errors import CheckinError, LockBroken, LockNotReleased, StateError, VulpesFailure
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, Checkout, LocalChange, ParcelState
@@ -161,9 +161,66 @@ def new_manifest(base: Manifest, change: LocalChange, streams: dict[str, bytes],
     return manifest
 
 
+@dataclass
+class Staged:
+    """A new version's blobs, sealed and staged at the server for its commit (`stage`)."""
+
+    base: int                        # the version they were sealed on
+    changes: Changes
+    manifest: Manifest
+    sealed: dict[str, bytes]         # blob name -> sealed bytes, as staged
+    devstate_sealed: bytes | None
+
+
+def stage(client: Client, state: ParcelState, parcel_keys: ParcelKeys) -> Staged:
+    """Seal the local state's keyring streams, device state, resume pack and new manifest and stage them at the
+    server (over a connection of their own, so that this may run while the chunks upload). Nothing is
+    committed: the commit that names them makes them a version; a staging area no commit names is the
+    server's to drop. The state must be ready to check in (the VM suspended or powered off).
+
+    Raises FileNotFoundError (the state is incomplete), RemoteError (LockLost if the lock is gone).
+    """
+    checkout = state.require_checkout()
+    change = state.effective_local_change()
+    if checkout.lock is None or change is None or change.state not in (SUSPENDED, POWEROFF):
+        raise StateError(f"{checkout.name} has no suspended or powered-off state to stage")
+    base = open_manifest(parcel_keys.parcel_key, state.base_manifest_sealed(), parcel=state_uuid(state),
+                         version=checkout.version)
+    changes = compare(state)
+    sealed: dict[str, bytes] = {}
+    for image in IMAGES:
+        sealed[KEYRING_FILES[image]] = seal.seal(parcel_keys.parcel_key, seal.KIND_KEYRING, changes.streams[image])
+    devstate_sealed = None
+    if change.state == SUSPENDED:
+        devstate_sealed = state.local_devstate_path().read_bytes()
+        seal.open_sealed(parcel_keys.parcel_key, devstate_sealed, seal.KIND_DEVSTATE,
+                         int(change.devstate["size"]) if change.devstate else 0)
+        sealed["devstate"] = devstate_sealed
+        for index, part in enumerate(change.resume_pack):
+            pack_sealed = state.local_pack_path(index).read_bytes()
+            seal.open_sealed(parcel_keys.parcel_key, pack_sealed, seal.KIND_DEVSTATE, int(part["size"]))
+            sealed[resumepack.part_name(index)] = pack_sealed
+    manifest = new_manifest(base, change, changes.streams, change.qemu_version)
+    sealed[MANIFEST] = seal_manifest(parcel_keys.parcel_key, manifest)
+    with client.new_remote() as remote:
+        for name, data in sealed.items():
+            remote.put_blob(checkout.parcel, name, data, checkout.lock.nonce)
+    return Staged(base=base.version, changes=changes, manifest=manifest, sealed=sealed,
+                  devstate_sealed=devstate_sealed)
+
+
+def _say_changed(reporter: Reporter, checkout: Checkout, changes: Changes) -> None:
+    reporter.say(f"checking in {checkout.name}: {changes.changed['disk']} disk and {changes.changed['memory']} "
+                 f"memory chunks changed since version {checkout.version}")
+
+
 def checkin(client: Client, state: ParcelState, parcel_keys: ParcelKeys, *, keep_lock: bool = False,
-            reporter: Reporter | None = None) -> int:
+            reporter: Reporter | None = None, staged: concurrent.futures.Future[Staged] | None = None) -> int:
     """Commit the local state as a new version; returns the version now current at this site.
+
+    ``staged``: the version's blobs, being staged already (`stage`) while something else (vulpes) uploads the
+    chunks; the commit then names every chunk without asking first which the server lacks, and uploads those
+    it says are missing.
 
     With no local changes nothing is committed (the lock is still released unless ``keep_lock``).
     Raises StateError (not checked out, no lock, a crashed or running session), LockBroken (the lock was
@@ -194,31 +251,25 @@ def checkin(client: Client, state: ParcelState, parcel_keys: ParcelKeys, *, keep
 
     base = open_manifest(parcel_keys.parcel_key, state.base_manifest_sealed(), parcel=state_uuid(state),
                          version=checkout.version)
-    changes = compare(state)
-    reporter.say(f"checking in {checkout.name}: {changes.changed['disk']} disk and {changes.changed['memory']} "
-                 f"memory chunks changed since version {checkout.version}")
     try:
-        missing = remote.missing([t.hex() for t in changes.new_tags])
-        if missing:
-            upload_from_cache(client, missing, reporter)
-        sealed: dict[str, bytes] = {}
-        for image in IMAGES:
-            sealed[KEYRING_FILES[image]] = seal.seal(parcel_keys.parcel_key, seal.KIND_KEYRING, changes.streams[image])
-        devstate_sealed = None
-        if change.state == SUSPENDED:
-            devstate_sealed = state.local_devstate_path().read_bytes()
-            seal.open_sealed(parcel_keys.parcel_key, devstate_sealed, seal.KIND_DEVSTATE,
-                             int(change.devstate["size"]) if change.devstate else 0)
-            sealed["devstate"] = devstate_sealed
-            for index, part in enumerate(change.resume_pack):
-                pack_sealed = state.local_pack_path(index).read_bytes()
-                seal.open_sealed(parcel_keys.parcel_key, pack_sealed, seal.KIND_DEVSTATE, int(part["size"]))
-                sealed[resumepack.part_name(index)] = pack_sealed
-        manifest = new_manifest(base, change, changes.streams, change.qemu_version)
-        sealed[MANIFEST] = seal_manifest(parcel_keys.parcel_key, manifest)
-        for name, data in sealed.items():
-            remote.put_blob(parcel, name, data, lock.nonce)
-        inherit = [name for name in manifest.blobs if not per_suspend(name)]
+        if staged is None:
+            # The blobs cross the link while the chunks the server lacks do (one connection each).
+            staging = background.start("stage", stage, client, state, parcel_keys)
+            changes = compare(state)
+            _say_changed(reporter, checkout, changes)
+            missing = remote.missing([t.hex() for t in changes.new_tags])
+            if missing:
+                upload_from_cache(client, missing, reporter)
+            ready = staging.result()
+        else:
+            ready = staged.result()
+            changes = ready.changes
+            _say_changed(reporter, checkout, changes)
+        if ready.base != base.version:
+            raise CheckinError(f"the blobs staged for {checkout.name} were sealed on version {ready.base}, not "
+                               f"{base.version}: check in again")
+        manifest, sealed = ready.manifest, ready.sealed
+        inherit = [name for name in manifest.blobs if not per_suspend(name) and name not in sealed]
         tags = [t.hex() for t in changes.all_tags]
         working = workingset.tags(manifest.working_set,
                                   {image: workingset.stream_records(changes.streams[image]) for image in IMAGES})
@@ -226,7 +277,7 @@ def checkin(client: Client, state: ParcelState, parcel_keys: ParcelKeys, *, keep
             record = remote.commit(parcel, lock.nonce, base.version, list(sealed), tags, inherit, working)
         except ChunksMissing as exc:
             log.info("server lacks %d chunks at commit: uploading them", len(exc.missing))
-            upload_from_cache(client, exc.missing, reporter, label="uploading chunks the server lost")
+            upload_from_cache(client, exc.missing, reporter, label="uploading the chunks the server lacks")
             record = remote.commit(parcel, lock.nonce, base.version, list(sealed), tags, inherit, working)
     except LockLost:
         raise LockBroken(lock_broken_message(client, parcel, checkout.name)) from None
@@ -239,7 +290,7 @@ def checkin(client: Client, state: ParcelState, parcel_keys: ParcelKeys, *, keep
                          f"`isr discard {checkout.name}`") from None
     new_version = int(record["version"])
     state.accept_local_as_base(manifest_sealed=sealed[MANIFEST], streams=changes.streams,
-                               devstate_sealed=devstate_sealed)
+                               devstate_sealed=ready.devstate_sealed)
     try:
         # The server has every object of the version now: a full cache may drop them.
         release_pins(paths.chunk_cache_dir(), state.dir)

@@ -35,6 +35,7 @@ The session is a process of its own, in the foreground of `isr resume` (Ctrl-C s
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -60,13 +61,15 @@ from parcels.keyring import Keyring, KeyringRecord, encode_stream
 from parcels.manifest import IMAGES, Manifest, open_blob, open_manifest, utc_now
 from parcels.parcel import ParcelKeys
 
-from . import compat, pack, paths, room, workingset
+from . import background, compat, pack, paths, room, workingset
 from . import display as displaymod
 from . import config as configmod
 from . import policy as policymod
 from .accel import kvm_works
+from .checkin import Staged
 from .checkin import checkin as do_checkin
 from .checkin import compare as compare_changes
+from .checkin import stage as stage_blobs
 from .checkout import Client, boot_blobs, ensure_checkout
 from .console import CONSOLE_SOCKET, ConsoleRelay
 from .control import CONTROL_SOCKET, ControlServer, Request
@@ -832,14 +835,17 @@ class Session:
             change = LocalChange(state=POWEROFF, working_set=self._trace_working_set(),
                                  base_suspended=self.manifest.suspended)
         self.state.save_local_change(change)
-        safe = time.monotonic() - started
+        safe_at = time.monotonic()
+        safe = safe_at - started
         if kind == SUSPENDED:
             reporter.say(f"the VM state is safe at this site after {safe:.1f} s "
                          f"({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})")
         unreachable = checkin and not self._server_answers()
         if unreachable:
             checkin = False
+        staging = None
         if checkin and kind == SUSPENDED:
+            staging = self._stage()
             self._vulpes_upload(reporter)
             t = _lap(phases, "upload (vulpes)", t)
         self.vulpes.stop()
@@ -857,7 +863,8 @@ class Session:
             raise SessionError(f"the server does not answer: the new state is kept at this site, and so is the "
                                f"lock: `isr checkin {self.options.name}` when it is back")
         if checkin:
-            result.update(self._checkin(reporter))
+            result.update(self._checkin(reporter, staging))
+            reporter.say(f"checked in {time.monotonic() - safe_at:.2f} s after the state was safe")
         else:
             reporter.say(f"not checked in: this site keeps the lock; `isr checkin {self.options.name}` uploads "
                          f"the new version")
@@ -1036,12 +1043,19 @@ class Session:
             # Not fatal: the checkin uploads whatever the server still lacks from the cache files.
             log.warning("vulpes upload failed: %s", failure[0])
 
-    def _checkin(self, reporter: Reporter) -> dict[str, Any]:
+    def _stage(self) -> concurrent.futures.Future[Staged]:
+        """Seal and stage the new version's blobs (keyrings, device state, resume pack, manifest) while vulpes
+        uploads its chunks, so that the checkin after the upload is only the commit (`checkin.stage`)."""
+        assert self.client is not None
+        return background.start("stage", stage_blobs, self.client, self.state, self.keys)
+
+    def _checkin(self, reporter: Reporter, staged: concurrent.futures.Future[Staged] | None = None) -> dict[str, Any]:
         if self.client is None:
             return {}
         started = time.monotonic()
         try:
-            version = do_checkin(self.client, self.state, self.keys, keep_lock=False, reporter=reporter)
+            version = do_checkin(self.client, self.state, self.keys, keep_lock=False, reporter=reporter,
+                                 staged=staged)
         except LockBroken:
             self.exit_code = 1
             raise

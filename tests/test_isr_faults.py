@@ -1,9 +1,15 @@
 """`isr` through a flaky link: a site whose every connection to isr-server (the `isr` command's own and
 vulpes's HTTP/2 one) goes through toxiproxy, which resets, delays and cuts them. The guest resumes and goes
 on through the faults; a suspend through a reset ends with one line and keeps the state here (no version is
-half committed), and the checkin afterwards commits it, also while the uploads are being cut."""
+half committed), and the checkin afterwards commits it, also while the uploads are being cut. A suspend's checkin stages the new
+version's blobs (keyrings, device state, manifest) while vulpes is still uploading the chunks; staged blobs are
+no version: a session killed (-9) then leaves the server at the old version, and the checkin afterwards
+uploads the rest and commits a version that resumes at another site."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,3 +83,44 @@ def test_resume_suspend_and_checkin_through_a_flaky_link(isr_env: IsrEnv, proxy:
             check_continues(console, marks)
         a.isr("suspend", parcel.name, "--no-checkin")
         a.wait_session_end(parcel)
+
+
+def test_blobs_staged_during_the_upload_are_no_version_until_the_commit(isr_env: IsrEnv, proxy: Proxy,  # noqa: F811
+                                                                         tmp_path: Path) -> None:
+    """The chunk upload is slowed (1 MB/s a connection) so that it is caught half way; the blobs go over a
+    connection of their own."""
+    parcel = isr_env.make_parcel()
+    with sites(isr_env, tmp_path, ["A", "B"], servers=[proxy.address, f"127.0.0.1:{isr_env.port}"]) as (a, b):
+        a.resume(parcel, "--policy", "demand")
+        with a.console(parcel) as console:
+            console.wait_ready(120)
+            marks = make_changes(console, "staged", megabytes=8)
+        info = a.session(parcel)
+        assert info is not None
+
+        # Uploads at 1 MB/s a connection: the chunks (tens of MiB of RAM and disk) take many seconds.
+        with proxy.toxic("bandwidth", stream="upstream", rate=1000):
+            suspend = subprocess.Popen(a.command("suspend", parcel.name), env=a.environ(), stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
+            try:
+                manifests = isr_env.store / "staging" / parcel.id
+                wait_until(lambda: any(manifests.glob("*/manifest")), 120, "the manifest to be staged")
+                os.kill(int(info["pid"]), signal.SIGKILL)
+                os.kill(int(info["vulpes_pid"]), signal.SIGKILL)
+            finally:
+                out = suspend.communicate(timeout=60)[0]
+            a.wait_session_end(parcel)
+        assert "safe at this site" in out, out
+        assert isr_env.current_version(parcel) == 1, "staged blobs became a version without a commit"
+        assert a.stat(parcel)["local"]["state"] == "suspended"
+
+        # The checkin sends what vulpes had not (so the blobs really were staged half way through the upload).
+        checkin = a.isr("checkin", parcel.name, "--keyfile", str(parcel.keyfile)).stdout
+        assert "uploading chunks" in checkin and "committed version 2" in checkin, checkin
+        isr_env.check_committed_disk(parcel, tmp_path)
+
+        b.resume(parcel)
+        with b.console(parcel) as console:
+            check_continues(console, marks)
+        b.isr("suspend", parcel.name, "--no-checkin")
+        b.wait_session_end(parcel)
