@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 
 from isrprogress import NullReporter, Reporter
-from parcels import crypto, resumepack, seal
+from parcels import crypto, firmware, resumepack, seal
 from parcels.chunk import chunk_count
 from parcels.keyring import HEADER_SIZE, RECORD_SIZE, decode_stream
 from parcels.manifest import IMAGES, BlobInfo, ImageInfo, Manifest, Timestamps, open_manifest, seal_manifest, utc_now
@@ -150,6 +150,10 @@ def new_manifest(base: Manifest, change: LocalChange, streams: dict[str, bytes],
             blobs[resumepack.part_name(index)] = BlobInfo(kind=seal.KIND_DEVSTATE, sha256=bytes.fromhex(part["sha256"]),
                                                           size=int(part["size"]))
         vm = type(base.vm)(**{**base.vm.__dict__, "qemu_version": change.qemu_version or qemu_version})
+    if change.nvram:
+        # The UEFI variable store as the VM left it (boot entries written by the guest or the firmware).
+        blobs[firmware.NVRAM_BLOB] = BlobInfo(kind=seal.KIND_BOOT, sha256=bytes.fromhex(change.nvram["sha256"]),
+                                              size=int(change.nvram["size"]))
     now = utc_now()
     counts = {image: chunk_count(base.chunk_size, base.images[image].size) for image in IMAGES}
     working_set, problem = workingset.checked(change.working_set, counts)
@@ -200,6 +204,9 @@ def stage(client: Client, state: ParcelState, parcel_keys: ParcelKeys) -> Staged
             pack_sealed = state.local_pack_path(index).read_bytes()
             seal.open_sealed(parcel_keys.parcel_key, pack_sealed, seal.KIND_DEVSTATE, int(part["size"]))
             sealed[resumepack.part_name(index)] = pack_sealed
+    if change.nvram:
+        sealed[firmware.NVRAM_BLOB] = state.local_nvram_path().read_bytes()
+        seal.open_sealed(parcel_keys.parcel_key, sealed[firmware.NVRAM_BLOB], seal.KIND_BOOT, int(change.nvram["size"]))
     manifest = new_manifest(base, change, changes.streams, change.qemu_version)
     sealed[MANIFEST] = seal_manifest(parcel_keys.parcel_key, manifest)
     with client.new_remote() as remote:

@@ -205,11 +205,19 @@ def boot_blobs(state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, 
                reporter: Reporter | None = None) -> dict[str, bytes]:
     """See `Client.boot_blobs`; with ``remote`` None only the local copies are used (disconnected).
     Raises StateError if a blob is neither local nor downloadable."""
+    if manifest.vm.boot is None:
+        return {}
+    names = [n for n in (manifest.vm.boot.kernel, manifest.vm.boot.initrd) if n]
+    return version_blobs(state, manifest, parcel_keys, names, remote=remote, reporter=reporter)
+
+
+def version_blobs(state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, names: list[str], *,
+                  remote: Remote | None, reporter: Reporter | None = None) -> dict[str, bytes]:
+    """The payloads of the version's kind-4 blobs ``names`` (boot files, a UEFI variable store), verified
+    against the manifest: from this site's copies (kept by payload digest) or, with ``remote``, the server.
+    Raises StateError if a blob is neither local nor downloadable."""
     reporter = reporter or NullReporter()
     out: dict[str, bytes] = {}
-    if manifest.vm.boot is None:
-        return out
-    names = [n for n in (manifest.vm.boot.kernel, manifest.vm.boot.initrd) if n]
     for name in names:
         info = manifest.blobs[name]
         path = state.blob_path(info.sha256.hex())

@@ -13,7 +13,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from parcels import devices
+from parcels import devices, firmware
+from parcels.errors import ParcelError
 from parcels.manifest import Manifest
 
 from .errors import CompatibilityError
@@ -108,6 +109,11 @@ def check(manifest: Manifest, *, suspended: bool | None = None, host: HostQemu |
         problems.append(f"the VM needs {vm.ram_mib} MiB of RAM (+{RAM_MARGIN_MIB} MiB for QEMU and vulpes); only "
                         f"{have} MiB are available here")
     problems += devices.problems(vm.devices)
+    if vm.firmware == "uefi":
+        try:
+            firmware.ovmf_file(firmware.CODE)
+        except ParcelError as exc:
+            problems.append(str(exc))
     if problems:
         raise CompatibilityError(f"this PC cannot run parcel {manifest.name} version {manifest.version}:\n  "
                                  + "\n  ".join(problems))

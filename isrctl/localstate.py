@@ -105,7 +105,8 @@ class LocalChange:
     ``devstate`` is the payload digest and size of ``local/devstate`` (state SUSPENDED), ``resume_pack``
     those of each part of the resume pack the suspend made, in order (``local/resumepack``,
     ``local/resumepack.1``, ...; `isrctl.pack`); ``working_set`` the chunk indices the guest touched first,
-    per image; ``reason`` says why the state is DAMAGED.
+    per image; ``reason`` says why the state is DAMAGED. ``nvram`` is the payload digest and size of
+    ``local/nvram``, a UEFI VM's variable store as the VM left it, when it differs from the base version's.
     """
 
     state: str
@@ -117,6 +118,7 @@ class LocalChange:
     working_set: dict[str, list[int]] = field(default_factory=lambda: {"disk": [], "memory": []})
     reason: str | None = None
     base_suspended: bool | None = None
+    nvram: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -288,6 +290,10 @@ class ParcelState:
 
     def local_devstate_path(self) -> Path:
         return self.dir / "local" / "devstate"
+
+    def local_nvram_path(self) -> Path:
+        """The sealed UEFI variable store of a local session not yet checked in (`LocalChange.nvram`)."""
+        return self.dir / "local" / "nvram"
 
     def local_pack_path(self, index: int) -> Path:
         """Part ``index`` of the sealed resume pack of a local suspend not yet checked in."""

@@ -94,6 +94,10 @@ class VMConfig:
     host_forwards: tuple[str, ...] = ()
     #: A virtio-rng device fed from the host's /dev/urandom.
     rng: bool = False
+    #: UEFI: the firmware's code (read-only flash, e.g. OVMF_CODE_4M.fd) and the VM's own variable store
+    #: (writable flash, the parcel's ``nvram``). Neither: legacy BIOS (SeaBIOS, built into QEMU).
+    firmware_code: Path | None = None
+    firmware_vars: Path | None = None
     #: Make a guest reset end QEMU (``-action reboot=shutdown``; `VM.shutdown_reason` then says
     #: ``guest-reset``) instead of restarting the machine in place: for a VM resumed without its boot files,
     #: which a reset inside QEMU could not boot again.
@@ -118,6 +122,8 @@ class VMConfig:
             raise VMError(f"implausible VM size: {self.memory_mib} MiB RAM, {self.smp} CPUs")
         if (self.initrd or self.cmdline) and not self.kernel:
             raise VMError("an initrd or kernel command line needs a kernel")
+        if (self.firmware_code is None) != (self.firmware_vars is None):
+            raise VMError("UEFI needs both the firmware code and a variable store")
         if self.host_forwards and not self.user_net:
             raise VMError("port forwards need the user-mode network")
 
@@ -132,6 +138,9 @@ class VMConfig:
             machine += ",memory-backend=ram0"
         args += ["-machine", machine, "-accel", self.accel, "-cpu", self.cpu,
                  "-m", str(self.memory_mib), "-smp", str(self.smp)]
+        if self.firmware_code is not None and self.firmware_vars is not None:
+            args += ["-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={_qemu_opt(str(self.firmware_code))}",
+                     "-drive", f"if=pflash,format=raw,unit=1,file={_qemu_opt(str(self.firmware_vars))}"]
         if self.kernel is not None:
             args += ["-kernel", str(self.kernel)]
         if self.initrd is not None:

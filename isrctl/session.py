@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from isrprogress import Reporter, human_bytes
-from parcels import devices, seal
+from parcels import devices, firmware, seal
 from parcels.chunk import chunk_count
 from parcels.durable import fsync_path
 from parcels.errors import ParcelError
@@ -70,7 +70,7 @@ from .checkin import Staged
 from .checkin import checkin as do_checkin
 from .checkin import compare as compare_changes
 from .checkin import stage as stage_blobs
-from .checkout import Client, boot_blobs, ensure_checkout
+from .checkout import Client, boot_blobs, ensure_checkout, version_blobs
 from .console import CONSOLE_SOCKET, ConsoleRelay
 from .control import CONTROL_SOCKET, ControlServer, Request
 from .errors import IsrError, LockBroken, SessionError, StateError, VMError, VMTimeoutError, VulpesFailure
@@ -165,6 +165,12 @@ class Session:
         self.phases: dict[str, float] = {}
         self.started = time.monotonic()
         self._memfds: list[int] = []
+        #: A UEFI VM's variable store (an in-memory file QEMU writes), the digest of what it was loaded with,
+        #: and the local record it came from (a session not yet checked in), if any.
+        self._nvram: Path | None = None
+        self._nvram_fd = -1
+        self._nvram_loaded = ""
+        self._nvram_record: dict[str, Any] | None = None
         self._previous_change: LocalChange | None = None
         self._guest_started = False
         self._running_written = False
@@ -270,6 +276,8 @@ class Session:
         if devstate is None or self.options.accel == "kvm":
             boot = self._boot_blobs(manifest)
             t = self._phase("boot files", t)
+        if manifest.vm.firmware == "uefi":
+            self._load_nvram(manifest, change)
 
         # From here on vulpes may change the keyrings: a crash must read as "damaged", not as the old state.
         self.state.save_local_change(LocalChange(state=RUNNING, base_suspended=manifest.suspended))
@@ -456,6 +464,41 @@ class Session:
         except VulpesFailure as exc:
             raise SessionError(str(exc)) from None
 
+    def _load_nvram(self, manifest: Manifest, change: LocalChange | None) -> None:
+        """The UEFI variable store to start with: this site's from a session not yet checked in, else the
+        version's ``nvram`` blob, else OVMF's empty one; into an in-memory file QEMU's flash writes to."""
+        if change is not None and change.nvram:
+            sealed = self.state.local_nvram_path().read_bytes()
+            payload = seal.open_sealed(self.keys.parcel_key, sealed, seal.KIND_BOOT, int(change.nvram["size"]))
+            if hashlib.sha256(payload).hexdigest() != change.nvram["sha256"]:
+                raise StateError(f"the local UEFI variable store of {self.options.name} does not match its record: "
+                                 f"`isr discard {self.options.name}`")
+            self._nvram_record = change.nvram
+        elif firmware.NVRAM_BLOB in manifest.blobs:
+            payload = version_blobs(self.state, manifest, self.keys, [firmware.NVRAM_BLOB],
+                                    remote=None if self.client is None else self.client.remote,
+                                    reporter=self.reporter)[firmware.NVRAM_BLOB]
+        else:
+            payload = firmware.empty_variable_store()
+        self._nvram_loaded = hashlib.sha256(payload).hexdigest()
+        self._nvram_fd, self._nvram = paths.memory_file("nvram", payload)
+        self._memfds.append(self._nvram_fd)
+
+    def _save_nvram(self) -> dict[str, Any] | None:
+        """After the VM: the variable store's record for the local change (sealed into ``local/nvram`` if
+        the VM changed it; None if it is the version's)."""
+        if self._nvram is None:
+            return None
+        payload = os.pread(self._nvram_fd, os.fstat(self._nvram_fd).st_size, 0)
+        digest = hashlib.sha256(payload).hexdigest()
+        if digest == self._nvram_loaded:
+            return self._nvram_record
+        sealed = seal.seal(self.keys.parcel_key, seal.KIND_BOOT, payload)
+        write_file(self.state.local_nvram_path(), sealed)
+        # Kept by digest too, like the blobs fetched from the server: the version it goes into finds it here.
+        write_file(self.state.blob_path(digest), sealed)
+        return {"sha256": digest, "size": len(payload)}
+
     def _boot_blobs(self, manifest: Manifest) -> dict[str, bytes]:
         return boot_blobs(self.state, manifest, self.keys, remote=None if self.client is None else self.client.remote,
                           reporter=self.reporter)
@@ -486,14 +529,20 @@ class Session:
             self.forwards = self._free_forwards(devices.forwards(vm.devices))
         accel = self.options.accel
         if accel == "kvm":
-            if kernel is None or not kvm_works(kernel, initrd, marker=b"Run /init as init process",
-                                               cache_dir=paths.cache_dir()):
+            if vm.boot is None:
+                self.reporter.say("  KVM is used only where a probe boot of the parcel's kernel works, and this "
+                                  "parcel boots from its disk: using TCG")
+                accel = "tcg"
+            elif kernel is None or not kvm_works(kernel, initrd, marker=b"Run /init as init process",
+                                                 cache_dir=paths.cache_dir()):
                 self.reporter.say("  KVM does not work here (a probe boot failed): using TCG")
                 accel = "tcg"
         return VMConfig(disk=self.vulpes.disk, disk_cache="writeback", kernel=kernel, initrd=initrd, cmdline=cmdline,
                         machine=vm.machine, cpu=vm.cpu, memory_mib=vm.ram_mib, smp=vm.smp, accel=accel,
                         memory_file=self.vulpes.memory, vnc=vnc, user_net=vm.devices.get("net") == "user",
                         host_forwards=tuple(str(f) for f in self.forwards), rng=vm.devices.get("rng") == "virtio",
+                        firmware_code=firmware.ovmf_file(firmware.CODE) if self._nvram else None,
+                        firmware_vars=self._nvram,
                         # Without the boot files (a resume) a reset could not boot again: it ends QEMU, and
                         # the session starts the guest again with them (`_boot_after_reset`).
                         reset_exits=vm.boot is not None and boot is None)
@@ -834,6 +883,7 @@ class Session:
             t = _lap(phases, "flush", t)
             change = LocalChange(state=POWEROFF, working_set=self._trace_working_set(),
                                  base_suspended=self.manifest.suspended)
+        change.nvram = self._save_nvram()
         self.state.save_local_change(change)
         safe_at = time.monotonic()
         safe = safe_at - started

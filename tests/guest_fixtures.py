@@ -38,6 +38,22 @@ def disk_guest_artifacts() -> GuestArtifacts:
         pytest.fail(f"cannot build the disk-booted test guest: {exc}")
 
 
+@pytest.fixture(scope="session")
+def uefi_guest_artifacts() -> GuestArtifacts:
+    """The same system on a GPT disk that systemd-boot boots under UEFI (OVMF); skips where OVMF is missing."""
+    from parcels.errors import ImageError
+    from parcels.firmware import CODE, ovmf_file
+
+    try:
+        ovmf_file(CODE)
+    except ImageError as exc:
+        pytest.skip(str(exc))
+    try:
+        return build("diskboot-uefi")
+    except GuestBuildError as exc:
+        pytest.fail(f"cannot build the UEFI disk-booted test guest: {exc}")
+
+
 @pytest.fixture
 def guest_disk(guest_artifacts: GuestArtifacts, tmp_path: Path) -> Path:
     """A private, writable copy of the guest's pristine data disk."""

@@ -122,8 +122,8 @@ class IsrEnv:
         name = name or f"p{secrets.token_hex(4)}"
         keyfile = self.root / f"{name}.key"
         keyfile.write_bytes(os.urandom(32))
-        boot = [] if self.guest.boots_from_disk else ["--kernel", str(self.guest.kernel), "--initrd",
-                                                      str(self.guest.initrd), "--cmdline", KERNEL_CMDLINE]
+        boot = ["--firmware", self.guest.firmware] if self.guest.boots_from_disk else [
+            "--kernel", str(self.guest.kernel), "--initrd", str(self.guest.initrd), "--cmdline", KERNEL_CMDLINE]
         result = self.server.admin("--json", "parcel", "create", "--owner", owner, "--name", name,
                                    "--disk", str(self.guest.disk), "--ram", str(ram_mib), "--machine", "pc-q35-7.2",
                                    *boot, "--key-file", str(keyfile), *(["--vm", json.dumps(vm)] if vm else []))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 
 from isrctl.accel import kvm_works
 from isrctl.qemu import VM, MigrationStats, VMConfig
+from parcels import firmware
 
 from .build import GuestArtifacts
 from .console import READY_MARKER, GuestConsole
@@ -37,8 +39,11 @@ def guest_config(artifacts: GuestArtifacts, disk: Path | None, **overrides: Any)
     ``overrides`` replace any `VMConfig` field (``memory_file``, ``disk_cache``, ``accel``, ...).
     """
     if artifacts.boots_from_disk:
-        # Firmware (SeaBIOS), then the disk's own bootloader, kernel and initramfs.
-        config = VMConfig(disk=disk, machine="pc-q35-7.2", cpu="qemu64", memory_mib=256, smp=1, accel="tcg")
+        # Firmware (SeaBIOS, or OVMF with the variable store the caller gives), then the disk's own bootloader.
+        uefi = artifacts.firmware == "uefi"
+        config = VMConfig(disk=disk, machine="pc-q35-7.2", cpu="qemu64", memory_mib=256, smp=1, accel="tcg",
+                          firmware_code=firmware.ovmf_file(firmware.CODE) if uefi else None,
+                          firmware_vars=overrides.pop("firmware_vars", None) if uefi else None)
     else:
         config = VMConfig(disk=disk, kernel=artifacts.kernel, initrd=artifacts.initrd, cmdline=KERNEL_CMDLINE,
                           machine="pc-q35-7.2", cpu="qemu64", memory_mib=256, smp=1, accel="tcg")
@@ -68,6 +73,11 @@ def booted_guest(artifacts: GuestArtifacts, disk: Path | None, *, run_dir: Path 
     The console transcript goes to ``run_dir/<name>.console.log`` and QEMU's output to
     ``run_dir/<name>.log`` when ``run_dir`` is given.
     """
+    if artifacts.firmware == "uefi" and "firmware_vars" not in overrides:
+        # A fresh copy of OVMF's empty variable store for this boot (QEMU writes to it).
+        vars_dir = run_dir or Path(tempfile.mkdtemp(prefix="isr-guest-nvram-"))
+        overrides["firmware_vars"] = vars_dir / f"{name}.nvram.fd"
+        overrides["firmware_vars"].write_bytes(firmware.empty_variable_store())
     vm = VM(guest_config(artifacts, disk, **overrides), run_dir=run_dir, name=name)
     console: GuestConsole | None = None
     try:

@@ -41,6 +41,9 @@ BUILDER_SOURCES = ("build.py", "debian.py", "kernel.py", "initramfs.py", "archiv
 WORKLOAD_SCRIPTS = ("run.sh", "office.sh", "rsd.sh")
 
 KERNEL_METAPACKAGE = "linux-image-cloud-amd64"
+#: systemd-boot, the UEFI loader of the "diskboot-uefi" variant (only its .efi file is used).
+UEFI_LOADER_PACKAGE = "systemd-boot-efi"
+UEFI_LOADER = "usr/lib/systemd/boot/efi/systemd-bootx64.efi"
 BUSYBOX_PACKAGE = "busybox-static"
 PYTHON_LIB = "usr/lib/python3.11"
 
@@ -66,6 +69,8 @@ class Variant:
     #: A PC disk with a bootloader and a Debian root (`_build_disk_guest`), not a kernel, initramfs and
     #: data disk for direct boot.
     boots_from_disk: bool = False
+    #: The firmware that boots that disk: "bios" (syslinux in the MBR) or "uefi" (systemd-boot on an ESP).
+    firmware: str = "bios"
 
 
 VARIANTS: dict[str, Variant] = {
@@ -78,6 +83,9 @@ VARIANTS: dict[str, Variant] = {
     # minbase, ~80 MB) with the same agent and workload as "small" under /data. Needs root to build.
     "diskboot": Variant("diskboot", ("libpython3.11-stdlib",), disk_mib=512, new_files=16, new_file_kib=256,
                         boots_from_disk=True),
+    # The same system on a GPT disk whose EFI system partition holds systemd-boot: for UEFI (OVMF).
+    "diskboot-uefi": Variant("diskboot-uefi", ("libpython3.11-stdlib",), disk_mib=512, new_files=16,
+                             new_file_kib=256, boots_from_disk=True, firmware="uefi"),
 }
 DEFAULT_VARIANT = "small"
 
@@ -98,6 +106,8 @@ class GuestArtifacts:
     versions: dict[str, str]
     #: The disk boots through its own bootloader; ``kernel`` and ``initrd`` are the copies on its boot partition.
     boots_from_disk: bool = False
+    #: The firmware the disk boots with: "bios" or "uefi".
+    firmware: str = "bios"
 
     @classmethod
     def load(cls, directory: Path) -> GuestArtifacts:
@@ -109,7 +119,8 @@ class GuestArtifacts:
                             disk=directory / manifest["disk"], archive=directory / manifest["archive"],
                             expected=WorkloadExpectation(**manifest["expected"]),
                             versions=dict(manifest["versions"]),
-                            boots_from_disk=bool(manifest.get("boots_from_disk", False)))
+                            boots_from_disk=bool(manifest.get("boots_from_disk", False)),
+                            firmware=str(manifest.get("firmware", "bios")))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise GuestBuildError(f"unreadable guest cache entry {directory}: {exc}") from exc
         for path in (artifacts.kernel, artifacts.initrd, artifacts.disk, artifacts.archive):
@@ -121,7 +132,7 @@ class GuestArtifacts:
         return {"variant": self.variant, "key": self.key, "directory": str(self.directory),
                 "kernel": str(self.kernel), "initrd": str(self.initrd), "disk": str(self.disk),
                 "archive": str(self.archive), "expected": self.expected.to_json(), "versions": self.versions,
-                "boots_from_disk": self.boots_from_disk}
+                "boots_from_disk": self.boots_from_disk, "firmware": self.firmware}
 
 
 def cache_root() -> Path:
@@ -208,7 +219,8 @@ def cache_key(spec: Variant, packages: dict[str, debian.Package]) -> str:
 
 
 def _resolve_packages(spec: Variant, root: Path) -> dict[str, debian.Package]:
-    names = [KERNEL_METAPACKAGE, BUSYBOX_PACKAGE, *spec.source_packages]
+    names = [KERNEL_METAPACKAGE, BUSYBOX_PACKAGE, *spec.source_packages,
+             *([UEFI_LOADER_PACKAGE] if spec.firmware == "uefi" else [])]
     found = debian.resolve(names, memo=root / f"apt-{spec.name}.json")
     kernel = debian.kernel_package(found.pop(KERNEL_METAPACKAGE))
     return {kernel.name: kernel, **found}
@@ -267,7 +279,8 @@ def _build_entry(spec: Variant, packages: dict[str, debian.Package], key: str, e
             f"# written by the test guest builder (variant {spec.name})\n"
             f"ARCHIVE=/data/workload/source.tar.gz\nNEW_FILES={spec.new_files}\nNEW_FILE_KIB={spec.new_file_kib}\n")
         if spec.boots_from_disk:
-            _build_disk_guest(content, busybox, out, spec)
+            loader = roots[UEFI_LOADER_PACKAGE] / UEFI_LOADER if spec.firmware == "uefi" else None
+            _build_disk_guest(content, busybox, out, spec, loader)
         else:
             make_ext4_image(content, out / "disk.img", spec.disk_mib)
             log.info("data disk %d MiB (ext4)", spec.disk_mib)
@@ -276,6 +289,7 @@ def _build_entry(spec: Variant, packages: dict[str, debian.Package], key: str, e
             "format": _MANIFEST_VERSION, "variant": spec.name, "key": key,
             "kernel": "vmlinuz" if spec.boots_from_disk else "vmlinux", "initrd": "initrd.cpio",
             "disk": "disk.img", "archive": "source.tar.gz", "boots_from_disk": spec.boots_from_disk,
+            "firmware": spec.firmware,
             "modules": order, "expected": expected.to_json(),
             "versions": {name: p.version for name, p in sorted(packages.items())},
             "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -318,9 +332,10 @@ def disk_guest_cmdline() -> str:
     return f"root=/dev/vda2 {KERNEL_CMDLINE}"
 
 
-def _build_disk_guest(content: Path, busybox: Path, out: Path, spec: Variant) -> None:
+def _build_disk_guest(content: Path, busybox: Path, out: Path, spec: Variant, uefi_loader: Path | None) -> None:
     """Make ``out/disk.img``: a Debian root (debootstrap) holding ``content`` (the workload under /data),
-    the agent and busybox, on a PC disk that syslinux boots with ``out``'s kernel and initramfs."""
+    the agent and busybox, on a PC disk that syslinux (BIOS) or systemd-boot (``uefi_loader``, UEFI) boots
+    with ``out``'s kernel and initramfs."""
     if os.geteuid() != 0:
         raise GuestBuildError("building the disk-booted guest needs root (debootstrap runs a chroot)")
     root = content.parent / "root"
@@ -343,8 +358,15 @@ def _build_disk_guest(content: Path, busybox: Path, out: Path, spec: Variant) ->
     (root / "etc" / "acpi" / "PWRF").mkdir(parents=True)
     (root / "etc" / "acpi" / "PWRF" / "00000080").symlink_to("/usr/local/bin/isr-poweroff")
     (root / "etc" / "hostname").write_text("isr-disk-guest\n")
-    syslinux_cfg = ("SERIAL 0 115200\nPROMPT 0\nTIMEOUT 0\nDEFAULT isr\nLABEL isr\n  KERNEL /vmlinuz\n"
-                    f"  INITRD /initrd\n  APPEND {disk_guest_cmdline()}\n")
-    make_boot_disk(root, {"vmlinuz": out / "vmlinuz", "initrd": out / "initrd.cpio"}, syslinux_cfg,
-                   out / "disk.img", spec.disk_mib)
-    log.info("boot disk %d MiB: syslinux, FAT16 boot partition, ext4 Debian root", spec.disk_mib)
+    files: dict[str, Path | str] = {"vmlinuz": out / "vmlinuz", "initrd": out / "initrd.cpio"}
+    if uefi_loader is not None:
+        files["EFI/BOOT/BOOTX64.EFI"] = uefi_loader
+        files["loader/loader.conf"] = "timeout 0\ndefault isr.conf\n"
+        files["loader/entries/isr.conf"] = (f"title ISR test guest\nlinux /vmlinuz\ninitrd /initrd\n"
+                                            f"options {disk_guest_cmdline()}\n")
+    else:
+        files["syslinux.cfg"] = ("SERIAL 0 115200\nPROMPT 0\nTIMEOUT 0\nDEFAULT isr\nLABEL isr\n  KERNEL /vmlinuz\n"
+                                 f"  INITRD /initrd\n  APPEND {disk_guest_cmdline()}\n")
+    make_boot_disk(root, files, out / "disk.img", spec.disk_mib, uefi=uefi_loader is not None)
+    log.info("boot disk %d MiB: %s, FAT16 boot partition, ext4 Debian root", spec.disk_mib,
+             "GPT, systemd-boot on the EFI system partition" if uefi_loader else "MBR, syslinux")

@@ -30,6 +30,7 @@ ROOT_START_SECTOR = BOOT_START_SECTOR + BOOT_SECTORS
 DISK_ID = "0x49535231"
 BOOT_VOLUME_ID = "49535231"
 ROOT_UUID = "49535231-6469-736b-2d67-756573740001"
+GPT_DISK_ID = "49535231-6469-736b-2d67-756573740002"
 
 
 def make_ext4_image(content: Path, dest: Path, size_mib: int) -> None:
@@ -39,37 +40,55 @@ def make_ext4_image(content: Path, dest: Path, size_mib: int) -> None:
     _tool(["mkfs.ext4", "-q", "-F", "-L", LABEL, "-d", str(content), str(dest)], "create the ext4 image", dest)
 
 
-def make_boot_disk(root: Path, boot_files: dict[str, Path], syslinux_cfg: str, dest: Path, size_mib: int) -> None:
-    """Create ``dest``, a bootable ``size_mib`` PC disk: partition 1 (FAT16, active) holds syslinux,
-    ``syslinux.cfg`` and ``boot_files`` (name on the partition -> file); partition 2 (ext4) holds ``root``."""
-    if not SYSLINUX_MBR.is_file():
+def make_boot_disk(root: Path, boot_files: dict[str, Path | str], dest: Path, size_mib: int, *,
+                   uefi: bool = False) -> None:
+    """Create ``dest``, a bootable ``size_mib`` PC disk: partition 1 (FAT16) holds ``boot_files`` (path on the
+    partition -> a file to copy, or text), partition 2 (ext4) holds ``root``. BIOS (default): an MBR with
+    syslinux's boot code, partition 1 active with syslinux installed. ``uefi``: a GPT whose partition 1 is the
+    EFI system partition (``boot_files`` then hold the UEFI loader, e.g. ``EFI/BOOT/BOOTX64.EFI``)."""
+    if not uefi and not SYSLINUX_MBR.is_file():
         raise GuestBuildError(f"{SYSLINUX_MBR} is missing (Debian: apt-get install syslinux syslinux-common mtools "
                               "dosfstools fdisk)")
     with open(dest, "wb") as f:
         f.truncate(size_mib << 20)
-    table = (f"label: dos\nlabel-id: {DISK_ID}\n"
-             f"start={BOOT_START_SECTOR}, size={BOOT_SECTORS}, type=e, bootable\n"
-             f"start={ROOT_START_SECTOR}, type=83\n")
+    # A GPT keeps a backup of itself in the disk's last sectors: there the root ends 1 MiB before the end.
+    root_sectors = (size_mib << 11) - ROOT_START_SECTOR - (2048 if uefi else 0)
+    if uefi:
+        table = (f"label: gpt\nlabel-id: {GPT_DISK_ID}\nstart={BOOT_START_SECTOR}, size={BOOT_SECTORS}, type=uefi\n"
+                 f"start={ROOT_START_SECTOR}, size={root_sectors}, type=linux\n")
+    else:
+        table = (f"label: dos\nlabel-id: {DISK_ID}\n"
+                 f"start={BOOT_START_SECTOR}, size={BOOT_SECTORS}, type=e, bootable\n"
+                 f"start={ROOT_START_SECTOR}, size={root_sectors}, type=83\n")
     _tool(["sfdisk", "-q", str(dest)], "partition", dest, stdin=table)
-    with open(SYSLINUX_MBR, "rb") as f:
-        boot_code = f.read(440)
-    with open(dest, "r+b") as f:
-        f.write(boot_code)
     boot_offset = BOOT_START_SECTOR * 512
     _tool(["mkfs.fat", "-F", "16", "--offset", str(BOOT_START_SECTOR), "-n", "ISRBOOT", "-i", BOOT_VOLUME_ID,
            str(dest), str(BOOT_SECTORS // 2)], "make the boot file system on", dest)
-    _tool(["syslinux", "--offset", str(boot_offset), "--install", str(dest)], "install syslinux on", dest)
+    if not uefi:
+        with open(SYSLINUX_MBR, "rb") as f:
+            boot_code = f.read(440)
+        with open(dest, "r+b") as f:
+            f.write(boot_code)
+        _tool(["syslinux", "--offset", str(boot_offset), "--install", str(dest)], "install syslinux on", dest)
+    image = f"{dest}@@{boot_offset}"
+    mtools = {"MTOOLS_SKIP_CHECK": "1"}
     with tempfile.TemporaryDirectory(prefix="isr-bootfs-") as scratch:
-        cfg = Path(scratch) / "syslinux.cfg"
-        cfg.write_text(syslinux_cfg)
-        sources = [cfg, *boot_files.values()]
-        for name, path in zip(["syslinux.cfg", *boot_files], sources, strict=True):
-            _tool(["mcopy", "-o", "-i", f"{dest}@@{boot_offset}", str(path), f"::/{name}"], "copy files onto", dest,
-                  env={"MTOOLS_SKIP_CHECK": "1"})
-    root_kib = size_mib * 1024 - ROOT_START_SECTOR // 2
+        made: set[str] = set()
+        for name, source in boot_files.items():
+            parts = name.split("/")[:-1]
+            for depth in range(1, len(parts) + 1):
+                folder = "/".join(parts[:depth])
+                if folder not in made:
+                    _tool(["mmd", "-i", image, f"::/{folder}"], "make a folder on", dest, env=mtools)
+                    made.add(folder)
+            if isinstance(source, str):
+                text = Path(scratch) / name.replace("/", "_")
+                text.write_text(source)
+                source = text
+            _tool(["mcopy", "-o", "-i", image, str(source), f"::/{name}"], "copy files onto", dest, env=mtools)
     _tool(["mkfs.ext4", "-q", "-F", "-L", "isr-root", "-U", ROOT_UUID, "-E",
-           f"offset={ROOT_START_SECTOR * 512},hash_seed={ROOT_UUID}", "-d", str(root), str(dest), f"{root_kib}k"],
-          "make the root file system on", dest)
+           f"offset={ROOT_START_SECTOR * 512},hash_seed={ROOT_UUID}", "-d", str(root), str(dest),
+           f"{root_sectors // 8 * 4}k"], "make the root file system on", dest)
 
 
 def _tool(args: list[str], doing: str, dest: Path, *, stdin: str | None = None,
