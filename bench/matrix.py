@@ -8,6 +8,7 @@ checkin throughput, the chunksim model's predictions and the seeds' own figures,
     .venv/bin/python bench/matrix.py --full           # everything (about 1 3/4 hours; see bench/README.md)
         [--rates 100,10,1] [--rtts 0,50] [--policies demand,...] [--ram 256,1024]
         [--peers qemu-curl,...|--no-peers] [--json FILE] [--no-update] [--timeout S] [--keep]
+        [--guest small|diskboot]    # diskboot: a PC disk booted through its own bootloader (issue 17)
     .venv/bin/python bench/matrix.py --report FILE.json [--no-update]   # the sections again, from raw results
     .venv/bin/python bench/matrix.py --spread A.json B.json [--no-update]   # cells both runs measured
     .venv/bin/python bench/matrix.py --compare BEFORE.json AFTER.json      # two versions of the code
@@ -77,6 +78,8 @@ except ImportError:  # bench/peers.py is optional: without it the peers are repo
     peer_bench = None  # type: ignore[assignment]
 
 POLICIES = list(ISR_POLICIES)
+#: The test guests the matrix can run (tools/guest/README.md).
+GUESTS = ("small", "diskboot")
 ALL_PEERS: tuple[str, ...] = peer_bench.PEERS if peer_bench else ("qemu-curl", "nbdkit-curl", "copy-in")
 MODES: dict[str, dict[str, list[Any]]] = {
     "quick": {"rates": [10], "rtts": [20], "policies": ["demand", "proactive"], "ram": [256],
@@ -524,6 +527,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hops", type=int, choices=(1, 2), default=1,
                         help="1: B resumes the version A checked in after its cold boot; 2: a site A2 resumes that "
                              "version and checks in again first, so B resumes one made by a resumed session")
+    parser.add_argument("--guest", choices=GUESTS, default="small",
+                        help="the test guest: small (direct kernel boot, the default) or diskboot (a Debian PC disk "
+                             "with syslinux, booted by SeaBIOS; its own BENCHMARKS.md section)")
     parser.add_argument("--json", type=Path, help="write the raw results here (default: WORK.json)")
     parser.add_argument("--no-update", action="store_true", help="do not write BENCHMARKS.md")
     parser.add_argument("--timeout", type=float,
@@ -558,6 +564,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def report(results: dict[str, Any], update: bool) -> None:
     sections = matrix_report.sections(results)
+    if results["meta"].get("guest", "small") != "small":
+        # Another guest's run does not replace the matrix of the test guest: it has a section of its own.
+        sections = {matrix_report.DISKBOOT: matrix_report.diskboot(results)}
     for title, body in sections.items():
         print(f"\n## {title}\n\n{body}")
     if update:
@@ -586,13 +595,13 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "meta": {"machine": machine(), "date": today(), "command": command, "mode": args.label,
                  "rates": args.rates, "rtts": args.rtts, "policies": args.policies, "ram": args.ram,
-                 "peers": args.peers, "hops": args.hops, "work": str(work)},
+                 "peers": args.peers, "hops": args.hops, "work": str(work), "guest": args.guest},
         "local": {}, "links": {}, "cells": [], "peers": [], "notes": []}
     say(f"{command}: work directory {work}")
     if args.peers and peer_bench is None:
         results["notes"].append("peers not run: bench/peers.py is not there")
         args.peers = []
-    guest = build("small")
+    guest = build(args.guest)
     started = time.monotonic()
     traces: dict[int, Trace] = {}
     try:

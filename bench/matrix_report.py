@@ -30,6 +30,7 @@ SEEDS = "the seeds' figures beside ours"
 SPREAD = "isr: run-to-run spread"
 TOUCHED = "isr: what the resumed guest touches"
 COMPARE = "isr: before and after"
+DISKBOOT = "isr: a disk-booted guest (a PC disk with its own bootloader)"
 
 
 # --- numbers to text ----------------------------------------------------------------------------------------
@@ -174,6 +175,17 @@ def timeline(results: dict[str, Any]) -> str:
     if not results["cells"]:
         parts.append("No ISR cells were run.")
     return "\n\n".join(parts)
+
+
+def diskboot(results: dict[str, Any]) -> str:
+    """The timeline of a run with the disk-booted guest (`bench/matrix.py --guest diskboot`)."""
+    return ("A parcel made from a real PC disk rather than a kernel handed to QEMU: the disk-booted test guest "
+            "(`tools.guest` diskboot: a 512 MiB disk with syslinux in its MBR, a FAT boot partition with the "
+            "kernel and initramfs, and a Debian 12 root holding the same workload), imported with `isr-admin "
+            "parcel create` without boot files, so site A's cold boot goes through SeaBIOS and syslinux and "
+            "fetches the bootloader's, kernel's and root's blocks on demand. Everything else as in the section "
+            "above; the paragraph below describes the test guest's matrix, of which this is one row.\n\n"
+            + timeline(results))
 
 
 def fetched_before(cell: dict[str, Any]) -> str:

@@ -50,3 +50,16 @@ def test_spread_sets_the_cells_every_run_measured_side_by_side() -> None:
     assert rows == ["| 10 Mbit/s, RTT +20 ms | 256 | demand | 20.0 / 22.0 (1.10) | 12.0 / 15.0 (1.25) "
                     "| 4.00× / 6.00× |"]
     assert "No cell was measured by every run" in matrix_report.spread([first, _run("three", [], 3.0)])
+
+
+def test_a_disk_booted_run_has_a_section_of_its_own(monkeypatch: Any) -> None:
+    """`--guest diskboot` writes its own section, never the test guest's matrix (bench/matrix.py report)."""
+    written: dict[str, str] = {}
+    monkeypatch.setattr(matrix_report, "write", written.update)
+    run = {**_run("bench/matrix.py --quick --guest diskboot", [_cell("demand", 20.0, 12.0)], 3.0),
+           "links": {}, "peers": [], "notes": []}
+    run["meta"].update({"guest": "diskboot", "ram": [256], "peers": []})
+    matrix.report(run, update=True)
+    assert list(written) == [matrix_report.DISKBOOT]
+    assert "syslinux" in written[matrix_report.DISKBOOT] and "demand" in written[matrix_report.DISKBOOT]
+    assert matrix.parse_args(["--quick", "--guest", "diskboot"]).guest == "diskboot"
