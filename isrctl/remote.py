@@ -166,16 +166,30 @@ class Remote:
     # --- transport --------------------------------------------------------------------------------
 
     def request(self, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
-                nonce: str | None = None, auth: bool = True, headers: dict[str, str] | None = None) -> httpx.Response:
-        """Send one request; return the response if it is 2xx, raise the matching `RemoteError` if not."""
+                nonce: str | None = None, auth: bool = True, headers: dict[str, str] | None = None,
+                idempotent: bool | None = None) -> httpx.Response:
+        """Send one request; return the response if it is 2xx, raise the matching `RemoteError` if not.
+
+        A request is sent once more, on a new connection, when its connection closes before the request could
+        go out (a TLS handshake cut off), and an idempotent one (by default GET, HEAD and PUT) also when its
+        connection breaks or fails with an HTTP/2 protocol error: that is how h2 meets a kept-alive connection
+        that the server closed with GOAWAY and a PING while it was idle. An isr-server reload closes connections
+        so as it stops its old workers (doc/server.md "Reloading")."""
         send_headers = self._headers(auth, headers)
         if nonce is not None:
             send_headers["ISR-Lock"] = nonce
         if json_body is not None:
             content = json.dumps(json_body).encode()
             send_headers["Content-Type"] = "application/json"
+        if idempotent is None:
+            idempotent = method in ("GET", "HEAD", "PUT")
         with self._transport(method, path):
-            response = self.client.request(method, path, content=content, headers=send_headers)
+            try:
+                response = self.client.request(method, path, content=content, headers=send_headers)
+            except (httpx.NetworkError, httpx.ProtocolError) as e:
+                if not (idempotent or isinstance(e, httpx.ConnectError)):
+                    raise
+                response = self.client.request(method, path, content=content, headers=send_headers)
         if response.status_code < 300 or response.status_code == 304:
             return response
         raise self._error(method, path, response)
@@ -349,7 +363,7 @@ class Remote:
         return self._json("POST", f"/v1/parcels/{parcel}/lock", json_body=body)
 
     def renew(self, parcel: str, nonce: str) -> dict[str, Any]:
-        return self._json("POST", f"/v1/parcels/{parcel}/lock/renew", nonce=nonce)
+        return self._json("POST", f"/v1/parcels/{parcel}/lock/renew", nonce=nonce, idempotent=True)
 
     def report_dirty(self, parcel: str, nonce: str, dirty_chunks: int, dirty_bytes: int,
                      reported: float | None = None) -> dict[str, Any]:
@@ -372,8 +386,8 @@ class Remote:
         """Which of `tags` the server does not have (asked in batches)."""
         out: list[str] = []
         for start in range(0, len(tags), MISSING_BATCH):
-            out += self._json("POST", "/v1/chunks/missing", json_body={"tags": list(tags[start:start + MISSING_BATCH])})[
-                "missing"]
+            batch = {"tags": list(tags[start:start + MISSING_BATCH])}
+            out += self._json("POST", "/v1/chunks/missing", json_body=batch, idempotent=True)["missing"]
         return out
 
     def put_chunk(self, tag: str, data: bytes) -> bool:

@@ -29,6 +29,11 @@ from .tls import ensure_certificate
 
 log = logging.getLogger("server")
 
+#: Seconds an old worker gets to finish its requests when it stops (at a reload or a shutdown) before it is
+#: killed: a client that keeps an idle HTTP/2 connection open and never reads the server's GOAWAY would
+#: otherwise hold it, and the reload, forever.
+WORKER_STOP_SECONDS = 20
+
 #: `--version` of isr-server and isr-admin: the installed project's version (VERSION at the top of the tree).
 VERSION_TEXT = f"%(prog)s {metadata.version('isr')}"
 
@@ -113,9 +118,9 @@ def serve(config: Config, sock: socket.socket, cert: Path, key: Path,
 
     SIGHUP (``systemctl reload``) reloads: `reread` reads the configuration again and prepares it (the
     certificate too), then granian starts new workers with it and stops the old ones one by one, each after
-    its successor runs; the old ones finish the requests they have. The socket stays open throughout, so no
-    connection attempt is refused. A configuration that does not load is logged and the running one kept;
-    server.listen and server.workers change only at a restart.
+    its successor runs; the old ones finish the requests they have (for at most `WORKER_STOP_SECONDS`). The
+    socket stays open throughout, so no connection attempt is refused. A configuration that does not load is
+    logged and the running one kept; server.listen and server.workers change only at a restart.
     """
     # Imported only to serve (see the module doc): isr-admin imports this module for load_config.
     from granian._granian import SocketHolder
@@ -153,6 +158,7 @@ def serve(config: Config, sock: socket.socket, cert: Path, key: Path,
         ssl_protocol_min=SSLProtocols.tls12,
         log_level=LogLevels.warning,
         log_dictconfig=_GRANIAN_LOGGING,
+        workers_kill_timeout=WORKER_STOP_SECONDS,
     )
 
     def reload() -> None:
