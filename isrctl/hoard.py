@@ -32,7 +32,7 @@ from isrprogress import NullReporter, Reporter, human_bytes
 from parcels import resumepack
 from parcels.store import KEYRING_FILES, MANIFEST
 
-from . import paths, room
+from . import background, paths, room
 from . import schedule as schedulemod
 from .checkout import Client, link_file
 from .errors import HoardStopped, IsrError, StateError
@@ -147,18 +147,11 @@ def hoard(client: Client, parcel: dict[str, Any], mode: str, reporter: Reporter 
     if warning:
         reporter.say(warning)
     started = time.monotonic()
-    fetched = 0
     for name, source in wanted.links.items():
         link_file(source, state.version_blob_path(wanted.version, name))
-    for name, size in wanted.blobs.items():
-        with reporter.progress(f"fetching boot file {name}", size) as bar:
-            sealed = client.remote.get_blob(wanted.parcel, wanted.version, name, progress=bar.update)
-            if len(sealed) != size:
-                raise IsrError(f"the server sent {len(sealed)} bytes of blob {name} of version {wanted.version}, not "
-                               f"the {size} it lists: try again later")
-            write_file(state.version_blob_path(wanted.version, name), sealed)
-            bar.close("sealed; the next resume checks it")
-        fetched += len(sealed)
+    # The boot files cross the link while vulpes-fetch hoards the chunks (see `keyhoard.hoard_with_key`).
+    boot = background.start("boot-files", _fetch_blobs, client, wanted, reporter)
+    fetched = 0
     chunk_bytes = sum(size for _, size in wanted.chunks)
     count = 0
     if wanted.chunks:
@@ -174,8 +167,28 @@ def hoard(client: Client, parcel: dict[str, Any], mode: str, reporter: Reporter 
             bar.close()
         fetched += result.bytes
         count = result.fetched
+    fetched += boot.result()
     _forget_older_blob_names(state, wanted.version)
     return HoardResult(wanted, count, fetched, time.monotonic() - started)
+
+
+def _fetch_blobs(client: Client, wanted: Need, reporter: Reporter) -> int:
+    """Download the sealed boot files ``wanted`` lists over a connection of their own; returns their bytes."""
+    if not wanted.blobs:
+        return 0
+    state = ParcelState(wanted.parcel)
+    fetched = 0
+    with client.new_remote() as remote:
+        for name, size in wanted.blobs.items():
+            with reporter.progress(f"fetching boot file {name}", size) as bar:
+                sealed = remote.get_blob(wanted.parcel, wanted.version, name, progress=bar.update)
+                if len(sealed) != size:
+                    raise IsrError(f"the server sent {len(sealed)} bytes of blob {name} of version {wanted.version}, "
+                                   f"not the {size} it lists: try again later")
+                write_file(state.version_blob_path(wanted.version, name), sealed)
+                bar.close("sealed; the next resume checks it")
+            fetched += len(sealed)
+    return fetched
 
 
 def _forget_older_blob_names(state: ParcelState, version: int) -> None:
