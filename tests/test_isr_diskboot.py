@@ -45,9 +45,12 @@ def test_disk_booted_guest_moves_between_sites(disk_isr_env: IsrEnv, tmp_path: P
     assert manifest.vm.boot is None and manifest.vm.firmware == "bios" and "kernel" not in manifest.blobs
     with sites(env, tmp_path, ["A", "B"]) as (a, b):
         marks = work_and_check_in(a, parcel, "at-a")
-        # It came up through the firmware and the bootloader on its disk, not a kernel handed to QEMU.
+        # It came up through the firmware and the bootloader on its disk, not a kernel handed to QEMU; the
+        # console (what `isr console` shows: everything since QEMU started, replayed) has the boot messages.
         console_log = (a.state_dir(parcel) / "qemu" / "console.log").read_text(errors="replace")
         assert "SYSLINUX" in console_log, console_log[-2000:]
+        seen = (a.root / f"{parcel.name}.console.log").read_text(errors="replace")
+        assert "SYSLINUX" in seen and "ISR-GUEST-READY" in seen, seen[-2000:]
         assert env.current_version(parcel) == 2
         # B checks that A's RAM token, A's file (by digest) and the RAM counter carried over.
         work_and_check_in(b, parcel, "at-b", before=marks)

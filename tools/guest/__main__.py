@@ -1,7 +1,7 @@
 """``python -m tools.guest``: build the test guest, say where it is, or boot it.
 
-    python -m tools.guest build [--variant small|big] [--force]
-    python -m tools.guest path  [--variant small|big]          # JSON: kernel, initrd, disk, expected, ...
+    python -m tools.guest build [--variant small|big|diskboot|diskboot-uefi] [--force]
+    python -m tools.guest path  [--variant V]          # JSON: kernel, initrd, disk, expected, ...
     python -m tools.guest boot  [--variant V] [--disk IMG] [--workload] [-c CMD]... [--accel tcg|kvm]
 
 ``boot`` boots a throwaway copy of the variant's disk (or ``--disk IMG`` itself), runs the workload and/or
