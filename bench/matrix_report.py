@@ -265,6 +265,7 @@ def ram_sizes(results: dict[str, Any]) -> str:
 def throughput(results: dict[str, Any]) -> str:
     head = ["link", "RAM (MiB)", "bulk TCP goodput (Mbit/s) (÷ rate)", "site A run",
             "checkin: MiB up in s", "checkin Mbit/s (÷ rate, ÷ goodput)",
+            "checkin by the session's clock: s, Mbit/s (÷ rate, ÷ goodput)",
             "hoard (proactive, `isr hoard`): MiB in s", "hoard Mbit/s (÷ rate, ÷ goodput)",
             "baseline hoard in t4: MiB in s", "baseline Mbit/s (÷ rate, ÷ goodput)"]
     rows = []
@@ -294,8 +295,11 @@ def throughput(results: dict[str, Any]) -> str:
                 site_as.setdefault(a["policy_a"], a)
         for policy_a, a in site_as.items() or {"-": {}}.items():
             up = mbit(a.get("checkin_link_bytes"), a.get("checkin_s"))
+            session = a.get("checkin_session_s")
+            up_session = mbit(a.get("checkin_link_bytes"), session)
             rows.append([link_name(rate, rtt), str(ram), good_text, policy_a,
                          f"{mib(a.get('checkin_link_bytes'))} in {num(a.get('checkin_s'))}", fractions(up, rate, good),
+                         f"{num(session)}: {fractions(up_session, rate, good)}" if session else DASH,
                          f"{mib(hoard.get('t3_link_bytes'))} in {num(hoard.get('t3'))}" if hoard else DASH,
                          fractions(hoard_rate, rate, good),
                          f"{mib(base.get('t4_link_bytes'))} in {num(base_s)}" if base else DASH,
@@ -305,8 +309,12 @@ def throughput(results: dict[str, Any]) -> str:
             "overhead included) over the wall time of the step, divided by the tbf rate and by the goodput of "
             "one bulk TCP connection over the same link measured at the start of the run (payload only, no proxy, "
             "no added RTT). Checkin: site A's `isr suspend` from the moment the state was safe locally to the "
-            "commit (vulpes uploads the new chunk objects, then the keyrings, device state and manifest). Hoard: "
-            "`isr hoard` at B for the proactive policy (boot files first, then every chunk); baseline: the boot "
+            "commit (vulpes uploads the new chunk objects while the keyrings, device state and manifest are "
+            "staged), taken as the command's wall time less the session's time to the safe state, so with the "
+            "command's own start and exit; by the session's clock: from the safe state to the commit and the "
+            "lock's release, as `isr suspend` prints it (trees before issue 15's staging do not). Hoard: "
+            "`isr hoard` at B for the proactive policy (every chunk, and the boot files beside them; before "
+            "issue 15 the boot files came first); baseline: the boot "
             "files and hoard phases of its resume.\n\n" + header(results) + "\n\n" + table(head, rows))
 
 

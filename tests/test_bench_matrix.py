@@ -63,3 +63,20 @@ def test_a_disk_booted_run_has_a_section_of_its_own(monkeypatch: Any) -> None:
     assert list(written) == [matrix_report.DISKBOOT]
     assert "syslinux" in written[matrix_report.DISKBOOT] and "demand" in written[matrix_report.DISKBOOT]
     assert matrix.parse_args(["--quick", "--guest", "diskboot"]).guest == "diskboot"
+
+
+def test_throughput_shows_the_checkin_by_the_sessions_clock_where_the_suspend_said_it() -> None:
+    """The checkin as the command's wall time (with the start and exit of `isr suspend`) and, where the suspend
+    printed it, from the safe state to the commit by the session's clock; older trees print no such line."""
+    def cell(session: float | None) -> dict[str, Any]:
+        return {**_cell("proactive", 2.0, 3.0), "rate": 100, "t3": 4.0, "t3_link_bytes": 40 * 2**20,
+                "site_a": {"status": "ok", "policy_a": "demand", "checkin_s": 3.0, "checkin_session_s": session,
+                           "checkin_link_bytes": 30 * 2**20}}
+
+    def rows(session: float | None) -> list[str]:
+        run = {**_run("one", [cell(session)], 3.0), "links": {"100": {"goodput_mbit": 100.0}}}
+        return [line for line in matrix_report.throughput(run).splitlines() if line.startswith("| 100 Mbit/s")]
+
+    # 30 MiB is 251.7 Mbit: 83.9 Mbit/s in the command's 3.0 s, 100.7 in the session's 2.5 s.
+    assert "| 30.0 in 3.0 | 83.9 (0.84, 0.84) | 2.5: 100.7 (1.01, 1.01) | 40.0 in 4.0 |" in rows(2.5)[0], rows(2.5)
+    assert "| 30.0 in 3.0 | 83.9 (0.84, 0.84) | – | 40.0 in 4.0 |" in rows(None)[0], rows(None)
