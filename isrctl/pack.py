@@ -2,13 +2,15 @@
 the next resume at a site whose cache lacks those chunks (doc/parcel-format.md, "Resume pack").
 
 A resumed guest does not need all of each 128 KiB chunk it faults on: before it answers, the test guest
-touches 5-16 MiB of its memory image spread over 150-200 chunks (BENCHMARKS.md, "what the resumed guest
-touches"). vulpes's trace records the byte ranges of the reads the kernel sent it; the first `PACK_BYTES` of
-them after a resume, read back from the memory image at suspend, are the next resume's best prediction of
-what its guest touches first, as Firecracker's REAP records them (measured: 89 % of what the next guest
-touched in its first 10 s was in the first 16 MiB). They are packed in parts of `PART_BYTES`, in touch
-order. The first part crosses the link before QEMU loads the device state; the others follow in the
-background while the guest runs on the first, and vulpes serves their bytes from RAM ahead of the chunks.
+touches about 1,500 pages (6 MiB) of its memory image, spread over 150-250 chunks (BENCHMARKS.md, "the
+memory mount and a page-exact resume pack"). QEMU maps the image from vulpes's memory mount, whose kernel
+readahead is off, so vulpes's trace records each page the guest faulted on, one 4 KiB read each; the first
+`PACK_BYTES` of those pages after a resume, read back from the memory image at suspend, are the next
+resume's best prediction of what its guest touches first, as Firecracker's REAP records them (measured:
+96 % of the pages the next guest touched in its first 10 s were among the first 2,048 of them). They are
+packed in parts of `PART_BYTES`, in touch order. The first part crosses the link before QEMU loads the
+device state; the others follow, in order, while the guest runs, and vulpes serves their pages from RAM
+ahead of the chunks.
 
 A session that booted cold makes no pack: what a boot touches says little about what a resume will.
 """
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 
 from parcels import resumepack, seal
@@ -33,18 +34,16 @@ from .vulpes import Vulpes
 
 log = logging.getLogger(__name__)
 
-#: The most plaintext a pack holds: about what a resumed test guest touches before it answers (BENCHMARKS.md;
-#: 89 % of what the next guest touched in its first 10 s was in the first 16 MiB).
-PACK_BYTES = 16 << 20
-#: The plaintext of one part; only the first is fetched before the guest starts (compressed, about a quarter
-#: of it crosses the link: 0.1 s at 100 Mbit/s, 1 s at 10).
-PART_BYTES = 4 << 20
-#: The rest of the parts follow only on a link at least this fast (bytes/s, as the first part came): on
-#: slower links they took the link from the chunks the workload wanted next, and the guest answered no
-#: sooner (BENCHMARKS.md, "isr: the resume pack, before and after"; 10 and 1 Mbit/s).
-REST_MIN_RATE = 4 << 20
-#: Touched ranges this close are packed as one extent: a later resume's read-around may straddle them.
-_JOIN_GAP = 16 << 10
+#: The most plaintext a pack holds (2,048 pages). Of the pages a hop-2 test guest touched before it answered,
+#: 80-90 % were among the first 1,536 its previous session touched, and most of the rest among the next 512
+#: (BENCHMARKS.md, "the memory mount and a page-exact resume pack"): 6 MiB answered at 11.0 s at 10 Mbit/s,
+#: 8 MiB at 6.8 s, 16 MiB at 7.6-8.2 s, whose last parts the guest did not need yet and whose pages come again
+#: with their chunks.
+PACK_BYTES = 8 << 20
+#: The plaintext of one part (256 pages). Only the first is fetched before the guest starts (compressed,
+#: about 0.3 MB: 0.03 s at 100 Mbit/s, 0.3 s at 10, 3 s at 1); the others follow in touch order while the
+#: guest runs, each soon enough to be there before the guest wants most of its pages.
+PART_BYTES = 1 << 20
 _PAGE = 4096
 
 
@@ -82,14 +81,15 @@ def first_touches(trace: Path, image: str, limit: int) -> list[tuple[int, int]]:
 
 
 def extents(ranges: list[tuple[int, int]], image_size: int) -> list[tuple[int, int]]:
-    """``ranges`` sorted, page-aligned, within the image, and joined where they overlap or nearly touch."""
+    """``ranges`` sorted, page-aligned, within the image, and joined where they overlap or touch (only pages
+    the guest read are packed: with the memory image's read-around off, each page fault is one page)."""
     out: list[tuple[int, int]] = []
     for offset, length in sorted(ranges):
         start = offset // _PAGE * _PAGE
         end = min(image_size, -(-(offset + length) // _PAGE) * _PAGE)
         if start >= end:
             continue
-        if out and start <= out[-1][0] + out[-1][1] + _JOIN_GAP:
+        if out and start <= out[-1][0] + out[-1][1]:
             previous = out[-1][0]
             out[-1] = (previous, max(out[-1][0] + out[-1][1], end) - previous)
         else:
@@ -151,18 +151,15 @@ def worth_loading(state: ParcelState, manifest: Manifest) -> bool:
 
 
 def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, vulpes: Vulpes,
-         names: list[str]) -> tuple[int, float]:
-    """Fetch the pack parts ``names`` in order, check each and hand it to vulpes; returns their plaintext bytes
-    and the rate the sealed parts came at (bytes per second).
+         names: list[str]) -> int:
+    """Fetch the pack parts ``names`` in order, check each and hand it to vulpes; returns their plaintext bytes.
 
     A part that cannot be had or is damaged ends the loading with a warning: the resume fetches those chunks
     as it would without a pack."""
-    used = moved = 0
-    started = time.monotonic()
+    used = 0
     for name in names:
         try:
             sealed = remote.get_blob(state.parcel, manifest.version, name)
-            moved += len(sealed)
             payload = open_blob(parcel_keys.parcel_key, sealed, manifest, name)
             size = manifest.images["memory"].size
             part = sum(extent.length for extent, _ in resumepack.decode(payload, size))
@@ -173,4 +170,4 @@ def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: Pa
         used += part
         log.info("resume pack %s: %d bytes of memory served before their chunks (%d bytes crossed the link)",
                  name, part, len(sealed))
-    return used, moved / max(time.monotonic() - started, 1e-3)
+    return used

@@ -341,7 +341,8 @@ class Session:
         self.state.trace_dir().mkdir(parents=True, exist_ok=True)
         self.trace_path = self.state.trace_dir() / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.trace"
         connected = not opts.disconnected
-        self.vulpes = Vulpes(mountpoint=self.runtime / "mnt", state_dir=self.state.dir,
+        self.vulpes = Vulpes(mountpoint=self.runtime / "mnt", memory_mountpoint=self.runtime / "mnt-ram",
+                             state_dir=self.state.dir,
                              cache_dir=paths.chunk_cache_dir(), control_path=self.runtime / "vulpes.sock",
                              log_path=self.state.dir / "vulpes.log",
                              server=self.config.server if connected else None,
@@ -539,7 +540,7 @@ class Session:
                 accel = "tcg"
         return VMConfig(disk=self.vulpes.disk, disk_cache="writeback", kernel=kernel, initrd=initrd, cmdline=cmdline,
                         machine=vm.machine, cpu=vm.cpu, memory_mib=vm.ram_mib, smp=vm.smp, accel=accel,
-                        memory_file=self.vulpes.memory, vnc=vnc, user_net=vm.devices.get("net") == "user",
+                        memory_file=self.vulpes.guest_memory, vnc=vnc, user_net=vm.devices.get("net") == "user",
                         host_forwards=tuple(str(f) for f in self.forwards), rng=vm.devices.get("rng") == "virtio",
                         firmware_code=firmware.ovmf_file(firmware.CODE) if self._nvram else None,
                         firmware_vars=self._nvram,
@@ -1004,11 +1005,9 @@ class Session:
         runs on the first (`isrctl.pack`)."""
         assert self.client is not None and self.vulpes is not None
         names = pack.parts(manifest)
-        used, rate = pack.load(self.client.remote, self.state, manifest, self.keys, self.vulpes, names[:1])
+        used = pack.load(self.client.remote, self.state, manifest, self.keys, self.vulpes, names[:1])
         if not used:
             return
-        if rate < pack.REST_MIN_RATE:
-            names = names[:1]
         self.reporter.say(f"  resume pack: {used / 2**20:.1f} MiB of memory ready before its chunks"
                           + (f", {len(names) - 1} more parts to follow" if len(names) > 1 else ""))
         if len(names) > 1:

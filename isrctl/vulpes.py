@@ -149,13 +149,20 @@ def unmount(mountpoint: Path, alive: Callable[[], bool]) -> str:
 
 
 class Vulpes:
-    """One vulpes process serving one parcel on ``mountpoint`` (files ``disk``, ``memory``, ``stats``)."""
+    """One vulpes process serving one parcel on ``mountpoint`` (files ``disk``, ``memory``, ``stats``).
+
+    With ``memory_mountpoint`` it serves the same files there too, with the kernel's readahead off, and the
+    guest's RAM is mapped from that one (`guest_memory`): each page fault is then one 4 KiB read, so the
+    trace names the very pages the guest touched (what the resume pack is made of), and a fault on a page
+    the pack holds never waits for the chunks around it. The disk keeps the main mount's readahead."""
 
     def __init__(self, *, mountpoint: Path, state_dir: Path, cache_dir: Path, control_path: Path, log_path: Path,
                  server: str | None = None, token_file: Path | None = None, pin: str | None = None,
                  trace: Path | None = None, offline: bool = False, lookaside: Sequence[Path] = (),
-                 cache_limit: str = "", extra: Sequence[str] = (), keep_fds: Sequence[int] = ()) -> None:
+                 cache_limit: str = "", extra: Sequence[str] = (), keep_fds: Sequence[int] = (),
+                 memory_mountpoint: Path | None = None) -> None:
         self.mountpoint = mountpoint
+        self.memory_mountpoint = memory_mountpoint
         #: Descriptors the daemon inherits and holds for its life (`isr mount`: the parcel's state lock).
         self.keep_fds = tuple(keep_fds)
         self.control_path = control_path
@@ -173,6 +180,8 @@ class Vulpes:
         if cache_limit:
             self.args.append(f"--cache-limit={cache_limit}")
         self.args += [f"--lookaside={d}" for d in lookaside]
+        if memory_mountpoint is not None:
+            self.args.append(f"--memory-mount={memory_mountpoint}")
         self.args += list(extra)
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
@@ -189,6 +198,14 @@ class Vulpes:
     def memory(self) -> Path:
         return self.mountpoint / "memory"
 
+    @property
+    def guest_memory(self) -> Path:
+        """The memory image as QEMU should map it (``memory-backend-file``)."""
+        return (self.memory_mountpoint or self.mountpoint) / "memory"
+
+    def _mountpoints(self) -> list[Path]:
+        return [self.mountpoint] + ([self.memory_mountpoint] if self.memory_mountpoint is not None else [])
+
     def alive(self) -> bool:
         """Whether the daemon process is still running."""
         return self.proc is not None and self.proc.poll() is None
@@ -199,8 +216,9 @@ class Vulpes:
         A dead mount left on the mountpoint by a crashed session is detached first. Raises VulpesFailure
         (with the daemon's output) if vulpes exits or does not mount within ``timeout`` seconds.
         """
-        release_mount(self.mountpoint)
-        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        for path in self._mountpoints():
+            release_mount(path)
+            path.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             self.control_path.unlink()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -347,7 +365,8 @@ class Vulpes:
                 self.kill()
                 raise VulpesFailure(f"vulpes did not exit within {timeout:.0f} s of the unmount ({still}; fusermount3: "
                                     f"{unmount or 'ok'}):\n{self.output()}") from None
-        release_mount(self.mountpoint)
+        for path in self._mountpoints():
+            release_mount(path)
         code = self.proc.returncode
         if code != 0:
             raise VulpesFailure(f"vulpes exited with code {code}:\n{self.output()}")
@@ -361,7 +380,8 @@ class Vulpes:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(STOP_TIMEOUT)
-        release_mount(self.mountpoint)
+        for path in self._mountpoints():
+            release_mount(path)
 
 
 @dataclass

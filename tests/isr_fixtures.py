@@ -66,7 +66,10 @@ def shaped_namespaces(count: int, rate: str = "100mbit") -> Iterator[list[NetSit
     """``count`` namespaces, each with a veth link to the host limited to ``rate`` each way; removed in
     finally. Addresses are 10.<random>.<i>.1 (host side) and .2 (namespace side)."""
     tag = secrets.token_hex(3)
-    net = 100 + secrets.randbelow(100)
+    # A /16 no interface here uses (another run's namespaces, or one a killed run left behind, would make the
+    # host route to this one's addresses ambiguous).
+    used = subprocess.run(["ip", "-br", "-4", "addr"], capture_output=True, text=True).stdout
+    net = next(n for n in (100 + secrets.randbelow(100) for _ in range(1000)) if f" 10.{n}." not in used)
     sites: list[NetSite] = []
     try:
         for i in range(count):

@@ -140,6 +140,12 @@ def test_resume_pack_serves_the_next_fresh_site(isr_env: IsrEnv, nets: list[NetS
         out = b.isr("suspend", parcel.name).stdout
         assert "committed version 3" in out, out
         b.wait_session_end(parcel)
+        # QEMU maps B's memory image from vulpes's second mount, whose readahead is off: every page fault is
+        # one 4 KiB read, so the trace (and the pack made from it) names the very pages the guest touched.
+        reads = [int(line.split()[6]) for trace in (b.state_dir(parcel) / "traces").glob("*.trace")
+                 for line in trace.read_text().splitlines()[1:] if line.split()[1:2] == ["memory"]
+                 and line.split()[3] == "r"]
+        assert reads and max(reads) == 4096, sorted(set(reads))
         manifest = committed_manifest(isr_env, parcel, 3)
         size = manifest.blobs[resumepack.BLOB_NAME].size
         assert 0 < size <= 2 * pack.PART_BYTES, size

@@ -31,10 +31,13 @@ def test_first_touches_take_new_memory_reads_in_order_up_to_the_limit(tmp_path: 
 
 
 def test_extents_are_sorted_page_aligned_joined_and_inside_the_image() -> None:
-    # Gaps of a page join (read-around at the next resume may straddle them); 28 KiB apart stays apart.
-    assert pack.extents([(9000, 100), (100, 10), (20000, 5000), (60000, 10)], 61440) == [(0, 28672), (57344, 4096)]
-    # Near neighbours (a gap under 16 KiB) become one extent; the image's end clips the last page.
-    assert pack.extents([(0, 4096), (12288, 4096)], 14000) == [(0, 14000)]
+    # Whole pages, sorted; only pages the reads touched (a page apart stays apart: the next resume reads one
+    # page per fault through the memory mount, so no neighbour is worth its bytes).
+    assert pack.extents([(9000, 100), (100, 10), (20000, 5000), (60000, 10)], 61440) == \
+        [(0, 4096), (8192, 4096), (16384, 12288), (57344, 4096)]
+    # Touching or overlapping pages become one extent; the image's end clips the last page.
+    assert pack.extents([(4096, 4096), (0, 4096), (6000, 100)], 14000) == [(0, 8192)]
+    assert pack.extents([(0, 4096), (12288, 4096)], 14000) == [(0, 4096), (12288, 1712)]
 
 
 def test_build_reads_the_chosen_bytes_back_from_the_memory_image(tmp_path: Path) -> None:

@@ -762,6 +762,34 @@ def test_fault_fetches_one_chunk_and_sequential_reads_fetch_ahead(vulpes_binary:
         assert not chunk_path(cache, state.tag_of("disk", 12)).exists()
 
 
+def test_memory_mount_reads_one_page_per_fault(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
+    """--memory-mount serves the same files on a second mount with the kernel's readahead off: a page fault on
+    the memory image mapped from there is one 4 KiB read (the trace names the very page), where the main
+    mount's read-around reads 32 KiB; the unmount of the main mount ends both."""
+    memory = random_image(2 * MIB, seed=173, data_fraction=1.0)
+    state = make_state(tmp_path / "state", bytes(1 * MIB), 2 * MIB, memory=memory)
+    state.publish(isr_server.store)
+    trace, ram = tmp_path / "trace.txt", tmp_path / "mnt-ram"
+    ram.mkdir()
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server, extra=[f"--memory-mount={ram}"]) as v:
+        assert os.path.ismount(ram)
+        assert v.control({"op": "trace-start", "path": str(trace)})["ok"]
+        for path, offset in ((ram / "memory", 5 * CHUNK_SIZE + 24 * 1024),
+                             (v.path("memory"), 9 * CHUNK_SIZE + 64 * 1024)):
+            fd = os.open(path, os.O_RDWR)
+            try:
+                with mmap.mmap(fd, 2 * MIB, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as m:
+                    assert m[offset:offset + 8] == memory[offset:offset + 8]
+            finally:
+                os.close(fd)
+        v.control({"op": "trace-stop"})
+    assert not os.path.ismount(ram)
+    reads = {int(r[2]): int(r[6]) for r in (line.split() for line in trace.read_text().splitlines()[1:])
+             if r[1] == "memory" and r[3] == "r"}
+    assert reads[5] == 4096, reads
+    assert reads[9] == 32768, reads
+
+
 def test_trace_records_every_access(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
     content = random_image(2 * MIB, seed=101, data_fraction=1.0)
     state = make_state(tmp_path / "state", content, 1 * MIB)

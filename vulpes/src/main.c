@@ -10,10 +10,12 @@
 #include <fuse.h>
 #include <limits.h>
 #include <malloc.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cache.h"
@@ -47,6 +49,7 @@ typedef struct Options {
         int show_help;
         int show_version;
         char *mountpoint;
+        char *memory_mountpoint;
         char **lookaside;
         size_t n_lookaside;
 } Options;
@@ -76,6 +79,7 @@ static const struct fuse_opt option_spec[] = {
         OPTION("--hoard-window=%u", hoard_window),
         OPTION("--max-threads=%u", max_threads),
         OPTION("--kernel-readahead=%u", kernel_readahead_kib),
+        OPTION("--memory-mount=%s", memory_mountpoint),
         OPTION("--hoard", hoard),
         OPTION("--log-level=%s", log_level),
         OPTION("--cache-limit=%s", cache_limit),
@@ -115,6 +119,9 @@ static void usage(const char *program) {
                "  --max-threads=N        FUSE worker threads (default 64)\n"
                "  --kernel-readahead=KIB the kernel's readahead on the mount, which is also the read-around of\n"
                "                         a page fault on the mapped memory image (default 32; at most 128)\n"
+               "  --memory-mount=DIR     also serve the files at DIR with the kernel's readahead off, for QEMU to\n"
+               "                         map DIR/memory: each page fault is then one 4 KiB read, so the trace\n"
+               "                         names the very pages a guest touched (ends with MOUNTPOINT)\n"
                "  --log-level=LEVEL      error, warning, info (default), debug\n"
                "  -d, -o OPT             libfuse options\n"
                "  -V, --version          print the version and exit\n",
@@ -243,9 +250,19 @@ static void options_free(Options *o) {
         free(o->log_level);
         free(o->cache_limit);
         free(o->mountpoint);
+        free(o->memory_mountpoint);
         for (size_t i = 0; i < o->n_lookaside; i++)
                 free(o->lookaside[i]);
         free(o->lookaside);
+}
+
+/* The memory mount's thread: it serves until mount_stop() (the main mount ended) or its own unmount. */
+static void *run_memory_mount(void *mount) {
+        int r = mount_run(mount);
+
+        if (r < 0)
+                log_error("the memory mount failed: %s", strerror(-r));
+        return NULL;
 }
 
 int main(int argc, char *argv[]) {
@@ -254,9 +271,12 @@ int main(int argc, char *argv[]) {
                       .hoard_window = 64, .max_threads = 64, .kernel_readahead_kib = 32 };
         DaemonConfig config = { 0 };
         FuseOptions fuse_options = { 0 };
+        FuseOptions memory_options = { 0 };
         Daemon *daemon = NULL;
         Control *control = NULL;
-        Mount *mount = NULL;
+        Mount *mount = NULL, *memory_mount = NULL;
+        pthread_t memory_thread;
+        bool memory_running = false;
         int r, status = EXIT_FAILURE;
 
         log_set_ident("vulpes");
@@ -305,11 +325,27 @@ int main(int argc, char *argv[]) {
         fuse_options.mountpoint = o.mountpoint;
         fuse_options.max_threads = o.max_threads;
         fuse_options.kernel_readahead_kib = o.kernel_readahead_kib;
+        fuse_options.signals = true;
         fuse_options.argc = args.argc;
         fuse_options.argv = args.argv;
         r = mount_new(daemon, &fuse_options, &mount);
         if (r < 0)
                 goto out_daemon;
+        if (o.memory_mountpoint) {
+                memory_options = fuse_options;
+                memory_options.mountpoint = o.memory_mountpoint;
+                memory_options.kernel_readahead_kib = 0;
+                memory_options.signals = false;
+                r = mount_new(daemon, &memory_options, &memory_mount);
+                if (r < 0)
+                        goto out_mount;
+                r = -pthread_create(&memory_thread, NULL, run_memory_mount, memory_mount);
+                if (r < 0) {
+                        log_error("cannot start the memory mount: %s", strerror(-r));
+                        goto out_mount;
+                }
+                memory_running = true;
+        }
         if (o.control_path) {
                 r = control_start(daemon, o.control_path, &control);
                 if (r < 0)
@@ -328,10 +364,25 @@ int main(int argc, char *argv[]) {
 
         r = mount_run(mount);
         status = r < 0 ? EXIT_FAILURE : EXIT_SUCCESS;
+        if (memory_running) {
+                struct timespec deadline;
+
+                /* Its connection ends with the unmount unless a process still maps the memory image (QEMU has
+                 * exited by the time the main mount goes): never wait on that for ever. */
+                mount_stop(memory_mount);
+                clock_gettime(CLOCK_REALTIME, &deadline);
+                deadline.tv_sec += 10;
+                if (pthread_timedjoin_np(memory_thread, NULL, &deadline) != 0) {
+                        log_warning("the memory mount is still busy; exiting without it");
+                        memory_mount = NULL;
+                }
+                memory_running = false;
+        }
 
         daemon_halt(daemon);
         control = control_stop(control);
 out_mount:
+        memory_mount = mount_free(memory_mount);
         mount = mount_free(mount);
 out_daemon:
         /* daemon_free() flushes: whatever reached us before the unmount is made durable. */

@@ -459,11 +459,13 @@ int mount_new(Daemon *d, const FuseOptions *options, Mount **ret) {
                 r = -EINVAL;
                 goto out_free;
         }
-        if (fuse_set_signal_handlers(m->session) != 0) {
-                r = -EIO;
-                goto out_free;
+        if (options->signals) {
+                if (fuse_set_signal_handlers(m->session) != 0) {
+                        r = -EIO;
+                        goto out_free;
+                }
+                m->signals = true;
         }
-        m->signals = true;
         if (fuse_session_mount(m->session, m->mountpoint) != 0) {
                 log_error("failed to mount on %s", m->mountpoint);
                 r = -EIO;
@@ -491,6 +493,14 @@ int mount_run(Mount *m) {
         r = fuse_session_loop_mt(m->session, config);
         fuse_loop_cfg_destroy(config);
         return r == 0 ? 0 : -EIO;
+}
+
+void mount_stop(Mount *m) {
+        fuse_session_exit(m->session);
+        if (m->mounted) {
+                fuse_session_unmount(m->session);
+                m->mounted = false;
+        }
 }
 
 Mount *mount_free(Mount *m) {

@@ -1,6 +1,8 @@
 /* SPDX-License-Identifier: GPL-2.0-or-later */
 #pragma once
 
+#include <stdbool.h>
+
 #include "daemon.h"
 
 typedef struct FuseOptions {
@@ -8,6 +10,8 @@ typedef struct FuseOptions {
         /* The kernel's readahead on the mount, also the read-around of a page fault in a mapped file (KiB;
          * the kernel keeps it at or below its default of 128). */
         unsigned kernel_readahead_kib;
+        /* This mount ends on SIGINT, SIGTERM and SIGHUP (libfuse keeps one such session per process). */
+        bool signals;
         const char *mountpoint;
         int argc;                      /* libfuse's own options (-o ..., -d), argv[0] first */
         char **argv;
@@ -20,6 +24,10 @@ int mount_new(Daemon *d, const FuseOptions *options, Mount **ret);
 
 /* Serves requests until the file system is unmounted or a signal (SIGINT, SIGTERM, SIGHUP) arrives. */
 int mount_run(Mount *m);
+
+/* Makes mount_run() return, from another thread: unmounts, which ends the kernel's connection (lazily: a
+ * file still open keeps it until closed). */
+void mount_stop(Mount *m);
 
 /* Unmounts (if still mounted) and frees. */
 Mount *mount_free(Mount *m);
