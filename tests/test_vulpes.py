@@ -876,6 +876,25 @@ def test_writeback_uploads_dirty_chunks(vulpes_binary: Path, tmp_path: Path) -> 
         server.stop()
 
 
+def test_upload_does_not_wait_behind_a_trickled_object(vulpes_binary: Path, isr_server: IsrServer,
+                                                       tmp_path: Path) -> None:
+    """`upload` (a suspend's checkin) sends at full speed, also the object a slow trickle writeback has in
+    flight: it used to wait for that one at the trickle's rate (found by fuzz_control, where a trickle of 1
+    byte/s made `upload` wait for a day and a half)."""
+    content = random_image(2 * MIB, seed=122, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    state.publish(isr_server.store)
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
+        with open(v.path("disk"), "r+b", buffering=0) as f:
+            f.write(random.Random(2).randbytes(2 * CHUNK_SIZE))
+            os.fsync(f.fileno())
+        assert v.control({"op": "writeback", "enabled": True, "rate": 1000})["ok"]   # 2 minutes an object
+        wait_until(lambda: v.status()["fetch"]["active"] > 0, 30, "a trickled upload in flight")
+        answer = v.control({"op": "upload"}, timeout=60)
+        assert answer == {"ok": True, "uploaded": 2}, answer
+        assert v.status()["images"]["disk"]["pending_uploads"] == 0
+
+
 def test_pinned_key_and_cache_index_rebuild(vulpes_binary: Path, tmp_path: Path) -> None:
     content = random_image(1 * MIB, seed=131, data_fraction=1.0)
     state = make_state(tmp_path / "state", content, 1 * MIB)

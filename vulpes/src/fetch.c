@@ -132,6 +132,8 @@ struct Fetcher {
         uint64_t last_demand_us;           /* a demand request was queued or finished */
         Pace pace;                         /* how many hoard transfers may run (on the fetch thread) */
         bool offline;
+        unsigned full_speed;               /* fetch_set_full_speed() calls that are on */
+        bool restart_throttled;            /* the fetch thread restarts running uploads that have a rate */
         bool stopping;
         bool outage_logged;
         char last_error[200];
@@ -775,6 +777,23 @@ static void finished_transfers(Fetcher *f) {
         }
 }
 
+/* Restarts every running upload that has a rate, unthrottled; with the lock held, on the fetch thread. */
+static void restart_throttled_locked(Fetcher *f) {
+        Request *r = f->queues[QUEUE_ACTIVE].head, *next;
+
+        f->restart_throttled = false;
+        for (; r; r = next) {
+                next = r->next;
+                if (r->kind != REQUEST_PUT || !r->max_rate)
+                        continue;
+                transfer_cleanup(f, r);
+                (*active_of(f, r))--;
+                r->max_rate = 0;
+                r->not_before_us = 0;
+                request_move(f, r, QUEUE_UPLOAD);
+        }
+}
+
 static void *fetch_thread(void *userdata) {
         Fetcher *f = userdata;
 
@@ -787,6 +806,8 @@ static void *fetch_thread(void *userdata) {
                         pthread_mutex_unlock(&f->lock);
                         break;
                 }
+                if (f->restart_throttled)
+                        restart_throttled_locked(f);
                 wait_us = start_ready_locked(f);
                 pthread_mutex_unlock(&f->lock);
 
@@ -978,13 +999,13 @@ int fetch_put(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], const void *object, 
         }
         memcpy(r->body, object, len);
         r->body_len = r->body_capacity = len;
-        r->max_rate = max_rate;
         pthread_mutex_lock(&f->lock);
         if (f->stopping) {
                 pthread_mutex_unlock(&f->lock);
                 request_free(r);
                 return -ECANCELED;
         }
+        r->max_rate = f->full_speed ? 0 : max_rate;
         list_append(&f->queues[QUEUE_UPLOAD], r, QUEUE_UPLOAD);
         pthread_mutex_unlock(&f->lock);
         curl_multi_wakeup(f->multi);
@@ -1044,6 +1065,23 @@ int fetch_get_wait(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority p
         *ret_object = c.object;
         *ret_len = c.len;
         return 0;
+}
+
+void fetch_set_full_speed(Fetcher *f, bool on) {
+        pthread_mutex_lock(&f->lock);
+        if (!on) {
+                f->full_speed--;
+                pthread_mutex_unlock(&f->lock);
+                return;
+        }
+        f->full_speed++;
+        for (Request *r = f->queues[QUEUE_UPLOAD].head; r; r = r->next)
+                r->max_rate = 0;
+        for (Request *r = f->queues[QUEUE_ACTIVE].head; r; r = r->next)
+                if (r->kind == REQUEST_PUT && r->max_rate)
+                        f->restart_throttled = true;
+        pthread_mutex_unlock(&f->lock);
+        curl_multi_wakeup(f->multi);
 }
 
 void fetch_set_offline(Fetcher *f, bool offline) {

@@ -75,6 +75,12 @@ int fetch_get_wait(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority p
 int fetch_put(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], const void *object, size_t len, uint64_t max_rate,
               FetchDone done, void *userdata);
 
+/*
+ * While on (calls nest), uploads ignore their max_rate: queued ones start unthrottled, and one already
+ * running at a rate is restarted at full speed (a full upload must not wait behind a trickle's object).
+ */
+void fetch_set_full_speed(Fetcher *f, bool on);
+
 /* Offline: nothing new starts (requests wait, they do not fail) until online again. */
 void fetch_set_offline(Fetcher *f, bool offline);
 

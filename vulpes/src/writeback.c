@@ -333,6 +333,8 @@ void writeback_set_trickle(Writeback *w, bool enabled, uint64_t rate) {
 int64_t writeback_upload_all(Writeback *w) {
         uint64_t want, before;
 
+        /* What a trickle has queued or in flight goes at full speed too, instead of holding this back. */
+        fetch_set_full_speed(w->fetcher, true);
         pthread_mutex_lock(&w->lock);
         before = w->uploaded_chunks;
         w->full_waiters++;
@@ -343,6 +345,7 @@ int64_t writeback_upload_all(Writeback *w) {
         w->full_waiters--;
         before = w->uploaded_chunks - before;
         pthread_mutex_unlock(&w->lock);
+        fetch_set_full_speed(w->fetcher, false);
         return w->stop ? -ECANCELED : (int64_t) before;
 }
 
