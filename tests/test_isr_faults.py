@@ -18,7 +18,8 @@ import pytest
 
 from tests.conftest import wait_until
 from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
-from tests.isr_fixtures import IsrEnv, check_continues, isr_env, make_changes, one_line_error, sites  # noqa: F401
+from tests.isr_fixtures import (GuestMarks, IsrEnv, Parcel, Site, check_continues, isr_env,  # noqa: F401
+                                make_changes, one_line_error, sites)
 from tests.toxiproxy_fixtures import Proxy, Toxiproxy, toxiproxy  # noqa: F401  (toxiproxy: pytest fixture)
 
 pytestmark = pytest.mark.timeout(420)
@@ -41,6 +42,15 @@ def log_grows(path: Path, since: int, text: str) -> bool:
             return text.encode() in f.read()
     except FileNotFoundError:
         return False
+
+
+def continues_at(site: Site, parcel: Parcel, marks: GuestMarks) -> None:
+    """Resume the committed version at ``site``, check the guest goes on from ``marks``, suspend it there."""
+    site.resume(parcel)
+    with site.console(parcel) as console:
+        check_continues(console, marks)
+    site.isr("suspend", parcel.name, "--no-checkin")
+    site.wait_session_end(parcel)
 
 
 def test_resume_suspend_and_checkin_through_a_flaky_link(isr_env: IsrEnv, proxy: Proxy,  # noqa: F811
@@ -78,11 +88,7 @@ def test_resume_suspend_and_checkin_through_a_flaky_link(isr_env: IsrEnv, proxy:
         # The link is sound again: the checkin commits, and the guest goes on from where it was.
         assert "committed version 2" in a.isr("checkin", parcel.name, "--keyfile", str(parcel.keyfile)).stdout
         isr_env.check_committed_disk(parcel, tmp_path)
-        a.resume(parcel)
-        with a.console(parcel) as console:
-            check_continues(console, marks)
-        a.isr("suspend", parcel.name, "--no-checkin")
-        a.wait_session_end(parcel)
+        continues_at(a, parcel, marks)
 
 
 def test_blobs_staged_during_the_upload_are_no_version_until_the_commit(isr_env: IsrEnv, proxy: Proxy,  # noqa: F811
@@ -118,9 +124,4 @@ def test_blobs_staged_during_the_upload_are_no_version_until_the_commit(isr_env:
         checkin = a.isr("checkin", parcel.name, "--keyfile", str(parcel.keyfile)).stdout
         assert "uploading chunks" in checkin and "committed version 2" in checkin, checkin
         isr_env.check_committed_disk(parcel, tmp_path)
-
-        b.resume(parcel)
-        with b.console(parcel) as console:
-            check_continues(console, marks)
-        b.isr("suspend", parcel.name, "--no-checkin")
-        b.wait_session_end(parcel)
+        continues_at(b, parcel, marks)
