@@ -6,8 +6,9 @@ and cached in /var/cache/isr-ci. Each run lays a fresh overlay on it, installs i
 with dpkg, and boots it with ``systemd-nspawn --boot`` (systemd is PID 1 in there, the service starts as
 the postinst enabled it, `systemctl reload` and `dpkg --purge` meet a real systemd). isr-admin in the
 container makes a user and a parcel from the test guest; the installed `isr` runs a resume/suspend/checkin
-cycle (in a chroot of the same root, on this host's network, with /dev/fuse); then `dpkg --remove` keeps
-the configuration, data and user, and `dpkg --purge` leaves nothing behind.
+cycle (in a chroot of the same root, on this host's network, with /dev/fuse); an upgrade keeps the edited
+configuration and the data and restarts the service; then `dpkg --remove` keeps the configuration, data and
+user, and `dpkg --purge` leaves nothing behind.
 
 The build takes a minute and a half and this test two to three, so it is not part of ``./bootstrap test``:
 ``./bootstrap package --test`` runs it (with ISR_PACKAGE_TEST=1), and `.ci/run` calls that.
@@ -262,9 +263,9 @@ def test_packages_install_serve_resume_and_purge(guest_artifacts: GuestArtifacts
     with overlay(base) as root:
         # Install as an administrator would, before the first boot.
         for deb in debs:
-            shutil.copy(deb, root / "tmp" / deb.name)
+            shutil.copy(deb, root / "var/tmp" / deb.name)  # (the booted container has a tmpfs on /tmp)
         with mounted_proc(root):
-            run(["chroot", str(root), "dpkg", "-i", *(f"/tmp/{d.name}" for d in debs)],
+            run(["chroot", str(root), "dpkg", "-i", *(f"/var/tmp/{d.name}" for d in debs)],
                 env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
         config = root / "etc/isr/server.toml"
         config.write_text(config.read_text().replace('listen = "0.0.0.0:8443"', f'listen = "127.0.0.1:{port}"'))
@@ -328,6 +329,17 @@ def test_packages_install_serve_resume_and_purge(guest_artifacts: GuestArtifacts
                     work_and_check_in(site, parcel, "pkg")
                 finally:
                     site.cleanup()
+            with Remote(f"https://127.0.0.1:{port}", fingerprint=fingerprint) as remote:
+                remote.login("alice", PASSWORDS["alice"])
+                assert remote.parcel(parcel.id)["current_version"] == 2
+            # An upgrade (here: the same packages again) keeps the edited configuration, the data and the
+            # user, and restarts the service.
+            workers_before = service_workers(container)
+            container.run("dpkg", "-i", *(f"/var/tmp/{d.name}" for d in debs))
+            assert f'listen = "127.0.0.1:{port}"' in config.read_text()
+            assert container.run("systemctl", "is-active", "isr-server").stdout.strip() == "active"
+            wait_until(answers, 60, f"the service after the upgrade:\n{container.journal('isr-server')}")
+            assert service_workers(container).isdisjoint(workers_before)
             with Remote(f"https://127.0.0.1:{port}", fingerprint=fingerprint) as remote:
                 remote.login("alice", PASSWORDS["alice"])
                 assert remote.parcel(parcel.id)["current_version"] == 2
