@@ -19,7 +19,8 @@ The timeline (Kozuch et al., *Efficient State Transfer for Internet Suspend/Resu
   computes: whenever no guest read has waited for a moment, vulpes streams the recorded working set, then
   the rest of the disk, so that later misses are fewer (vulpes's idle priority, doc/vulpes.md).
 - ``lazy-ws`` (lazy working set): as demand, and vulpes hoards the working set recorded at the last
-  suspend in the background during t5 (a guest read always overtakes the hoard).
+  suspend in the background during t5, at idle priority (only while no guest read waits), but not the rest
+  of the disk after it.
 - ``eager-ws`` (eager working set): ``isr hoard --working-set`` fetched the recorded working set during t3;
   resume as demand.
 - ``eager-writeback``: as demand at resume, and dirty chunks are trickled to the server during t5 (this

@@ -435,8 +435,10 @@ class Session:
         if self.policy.hoard_working_set_lazily or self.policy.stream_when_idle:
             ws = self._working_set(manifest, change)
         if self.policy.hoard_working_set_lazily:
-            start = functools.partial(self.vulpes.hoard, disk=ws["disk"], memory=ws["memory"])
-            self.reporter.say(f"  hoarding the working set in the background ({len(ws['disk'])} disk and "
+            # Demand first: the working set is background bytes, so it comes while the guest does not wait (at
+            # hoard priority it made lazy-ws answer later than demand: 9.0 s against 6.8 s at 10 Mbit/s).
+            start = functools.partial(self.vulpes.hoard, disk=ws["disk"], memory=ws["memory"], idle=True)
+            self.reporter.say(f"  while the guest does not wait: the working set ({len(ws['disk'])} disk and "
                               f"{len(ws['memory'])} memory chunks)")
         elif self.policy.stream_when_idle:
             start = functools.partial(self.vulpes.hoard, disk=ws["disk"], memory=ws["memory"], then_all=("disk",),

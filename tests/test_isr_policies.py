@@ -70,7 +70,7 @@ def test_guest_continues_at_the_other_site(policy: str, isr_env: IsrEnv, nets: l
             match = re.search(r"working set: (\d+) of (\d+) chunks hoarded ahead of time", out)
             assert match and match.group(1) == match.group(2) and int(match.group(2)) > 0, out
         elif policy == "lazy-ws":
-            assert "hoarding the working set in the background" in out
+            assert "while the guest does not wait: the working set" in out, out
         elif policy == "baseline":
             assert "hoarding everything (baseline)" in out
 
