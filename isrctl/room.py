@@ -158,8 +158,11 @@ class FullCache:
 
     def paused(self, vulpes: Vulpes, reporter: Reporter) -> None:
         """The VM is paused for lack of room: say so, once, with the figures after what can be reclaimed."""
-        self.since = time.monotonic()
+        paused_at = time.monotonic()
         self.say_again(vulpes, reclaim=True)
+        # Only now: `isr stat` shows the pause with its line, never the pause with an empty line (the reclaim
+        # is a round trip to vulpes that a loaded machine makes long).
+        self.since = paused_at
         log.warning("%s", self.message)
         reporter.say(self.message)
 

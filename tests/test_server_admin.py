@@ -316,7 +316,7 @@ def test_missing_s3_bucket_is_named_with_how_to_create_it(server_env: ServerEnv,
                             capture_output=True, text=True, timeout=60)
     admin = server_env.admin("--set", f"store.bucket={missing}", "parcel", "create", "--owner", "alice", "--name",
                              "nobucket", "--disk", str(disk), "--ram", "16", "--passphrase-file",
-                             str(tmp_path / "pass"), "--scrypt-log2n", "10", check=False)
+                             str(tmp_path / "pass"), "--scrypt-log2n", "10", "--force", check=False)
     for result in (server, admin):
         error = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
         assert result.returncode == 1, (result.returncode, result.stderr)
