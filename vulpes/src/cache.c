@@ -521,6 +521,24 @@ static int64_t index_query_int64(Cache *c, const char *sql) {
  * selected, or after, and its file is put back by the rename that follows every pin.  Adds the bytes
  * freed to *freed; returns the objects evicted or a negative errno.
  */
+/* Removes an object's file (`rel`, its path in the cache) and then its index row through `del`, the caller's
+ * prepared "DELETE FROM objects WHERE tag = ?1", in the caller's transaction; a file already gone is no
+ * error. `what` names the act in the error message ("evict", "drop"). */
+static int object_remove_locked(Cache *c, sqlite3_stmt *del, const uint8_t tag[CACHE_TAG_LEN], const char *rel,
+                                const char *what) {
+        int r;
+
+        if (unlinkat(c->dir_fd, rel, 0) < 0 && errno != ENOENT) {
+                r = -errno;
+                log_error("failed to %s cache object %s/%s: %s", what, c->dir, rel, strerror(-r));
+                return r;
+        }
+        sqlite3_bind_blob(del, 1, tag, CACHE_TAG_LEN, SQLITE_STATIC);
+        sqlite3_step(del);
+        sqlite3_reset(del);
+        return 0;
+}
+
 static int evict_step_locked(Cache *c, uint64_t want, int64_t keep_since, uint64_t *freed) {
         sqlite3_stmt *select = NULL, *del = NULL;
         uint8_t tags[EVICT_STEP][CACHE_TAG_LEN];
@@ -553,14 +571,9 @@ static int evict_step_locked(Cache *c, uint64_t want, int64_t keep_since, uint64
                 char rel[sizeof("chunks/ab/cd/") + TAG_HEX_LEN];
 
                 object_relpath(tags[n], rel);
-                if (unlinkat(c->dir_fd, rel, 0) < 0 && errno != ENOENT) {
-                        r = -errno;
-                        log_error("failed to evict cache object %s/%s: %s", c->dir, rel, strerror(-r));
+                r = object_remove_locked(c, del, tags[n], rel, "evict");
+                if (r < 0)
                         goto out_rollback;
-                }
-                sqlite3_bind_blob(del, 1, tags[n], CACHE_TAG_LEN, SQLITE_STATIC);
-                sqlite3_step(del);
-                sqlite3_reset(del);
                 done += sizes[n] > 0 ? (uint64_t) sizes[n] : 0;
         }
         sqlite3_finalize(del);
@@ -1086,14 +1099,9 @@ int cache_drop(Cache *c, const uint8_t (*tags)[CACHE_TAG_LEN], size_t n, uint64_
                         kept++;
                         continue;
                 }
-                if (unlinkat(c->dir_fd, rel, 0) < 0 && errno != ENOENT) {
-                        r = -errno;
-                        log_error("failed to drop cache object %s/%s: %s", c->dir, rel, strerror(-r));
+                r = object_remove_locked(c, del, tags[i], rel, "drop");
+                if (r < 0)
                         goto out_rollback;
-                }
-                sqlite3_bind_blob(del, 1, tags[i], CACHE_TAG_LEN, SQLITE_STATIC);
-                sqlite3_step(del);
-                sqlite3_reset(del);
                 bytes += (uint64_t) st.st_size;
                 dropped++;
         }
