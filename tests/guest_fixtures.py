@@ -19,23 +19,25 @@ from tools.guest import GuestArtifacts, GuestBuildError, GuestConsole, build, co
 from tests.conftest import wait_until as _wait_until
 
 
+def _built(variant: str, what: str) -> GuestArtifacts:
+    """The built (cached) guest ``variant``; the test fails, naming ``what``, if it cannot be built."""
+    try:
+        return build(variant)
+    except GuestBuildError as exc:
+        pytest.fail(f"cannot build the {what}: {exc}")
+
+
 @pytest.fixture(scope="session")
 def guest_artifacts() -> GuestArtifacts:
     """The built (cached) small test guest: kernel, initramfs, pristine disk, expected workload result."""
-    try:
-        return build("small")
-    except GuestBuildError as exc:
-        pytest.fail(f"cannot build the test guest: {exc}")
+    return _built("small", "test guest")
 
 
 @pytest.fixture(scope="session")
 def disk_guest_artifacts() -> GuestArtifacts:
     """The built (cached) disk-booted test guest: a PC disk with syslinux and a Debian root (tools/guest/README.md).
     Building it the first time needs root and about two minutes; `./bootstrap setup` does it beforehand."""
-    try:
-        return build("diskboot")
-    except GuestBuildError as exc:
-        pytest.fail(f"cannot build the disk-booted test guest: {exc}")
+    return _built("diskboot", "disk-booted test guest")
 
 
 @pytest.fixture(scope="session")
@@ -48,10 +50,7 @@ def uefi_guest_artifacts() -> GuestArtifacts:
         ovmf_file(CODE)
     except ImageError as exc:
         pytest.skip(str(exc))
-    try:
-        return build("diskboot-uefi")
-    except GuestBuildError as exc:
-        pytest.fail(f"cannot build the UEFI disk-booted test guest: {exc}")
+    return _built("diskboot-uefi", "UEFI disk-booted test guest")
 
 
 @pytest.fixture
