@@ -451,6 +451,15 @@ static void owner_name(const char *state_dir, char owner[PATH_MAX]) {
                 snprintf(owner, PATH_MAX, "%s", state_dir);
 }
 
+/* cache_open(), saying which cache could not be opened. */
+static int open_cache(const char *dir, Cache **ret) {
+        int r = cache_open(dir, ret);
+
+        if (r < 0)
+                log_error("failed to open the cache %s: %s", dir, strerror(-r));
+        return r;
+}
+
 /*
  * --usage: the cache's own account of itself, so that no other program walks its layout; with --owner, the
  * bytes that parcel has pinned (not yet uploaded), and with --cache-limit the room under that limit.
@@ -461,11 +470,9 @@ static int print_usage_of(const Options *o) {
         CacheStatus st;
         int r;
 
-        r = cache_open(o->cache_dir, &cache);
-        if (r < 0) {
-                log_error("failed to open the cache %s: %s", o->cache_dir, strerror(-r));
+        r = open_cache(o->cache_dir, &cache);
+        if (r < 0)
                 return EXIT_FAILURE;
-        }
         if (o->owner) {
                 owner_name(o->owner, owner);
                 r = cache_set_owner(cache, owner);
@@ -495,11 +502,9 @@ static int unpin_owner(const char *cache_dir, const char *state_dir) {
         Cache *cache = NULL;
         int r;
 
-        r = cache_open(cache_dir, &cache);
-        if (r < 0) {
-                log_error("failed to open the cache %s: %s", cache_dir, strerror(-r));
+        r = open_cache(cache_dir, &cache);
+        if (r < 0)
                 return EXIT_FAILURE;
-        }
         owner_name(state_dir, owner);
         snprintf(other, sizeof(other), "%s#disconnected", owner);
         r = cache_pins_replace_owner(cache, owner, NULL, 0);
@@ -527,11 +532,9 @@ static int check_or_drop(const Options *o) {
         r = tags_read(o->tags_path, NULL, &items, &n);
         if (r < 0)
                 goto out;
-        r = cache_open(o->cache_dir, &cache);
-        if (r < 0) {
-                log_error("failed to open the cache %s: %s", o->cache_dir, strerror(-r));
+        r = open_cache(o->cache_dir, &cache);
+        if (r < 0)
                 goto out_items;
-        }
         if (o->drop) {
                 uint8_t (*tags)[CACHE_TAG_LEN] = calloc(n ? n : 1, CACHE_TAG_LEN);
 
