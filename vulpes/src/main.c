@@ -265,6 +265,23 @@ static void *run_memory_mount(void *mount) {
         return NULL;
 }
 
+/* Unmounts the memory mount and joins its thread; false if the thread is still busy after 10 s, and then its
+ * Mount must not be freed (the process exits without it).  Its connection ends with the unmount unless a
+ * process still maps the memory image (QEMU has exited by the time the main mount goes): never wait on that
+ * for ever. */
+static bool memory_mount_end(Mount *m, pthread_t thread) {
+        struct timespec deadline;
+
+        mount_stop(m);
+        clock_gettime(CLOCK_REALTIME, &deadline);
+        deadline.tv_sec += 10;
+        if (pthread_timedjoin_np(thread, NULL, &deadline) != 0) {
+                log_warning("the memory mount is still busy; exiting without it");
+                return false;
+        }
+        return true;
+}
+
 int main(int argc, char *argv[]) {
         struct fuse_args args = FUSE_ARGS_INIT(argc, argv);
         Options o = { .key_fd = -1, .ram_cache_mib = 128, .flush_interval_ms = 5000, .max_transfers = 16,
@@ -364,24 +381,16 @@ int main(int argc, char *argv[]) {
 
         r = mount_run(mount);
         status = r < 0 ? EXIT_FAILURE : EXIT_SUCCESS;
-        if (memory_running) {
-                struct timespec deadline;
-
-                /* Its connection ends with the unmount unless a process still maps the memory image (QEMU has
-                 * exited by the time the main mount goes): never wait on that for ever. */
-                mount_stop(memory_mount);
-                clock_gettime(CLOCK_REALTIME, &deadline);
-                deadline.tv_sec += 10;
-                if (pthread_timedjoin_np(memory_thread, NULL, &deadline) != 0) {
-                        log_warning("the memory mount is still busy; exiting without it");
-                        memory_mount = NULL;
-                }
-                memory_running = false;
-        }
+        if (memory_running && !memory_mount_end(memory_mount, memory_thread))
+                memory_mount = NULL;
+        memory_running = false;
 
         daemon_halt(daemon);
         control = control_stop(control);
 out_mount:
+        /* A later step failed while the memory mount's thread served: end it before its Mount goes. */
+        if (memory_running && !memory_mount_end(memory_mount, memory_thread))
+                memory_mount = NULL;
         memory_mount = mount_free(memory_mount);
         mount = mount_free(mount);
 out_daemon:
