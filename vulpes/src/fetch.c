@@ -108,6 +108,7 @@ typedef struct Request {
         unsigned attempts, bad;
         uint64_t not_before_us;            /* backing off until then */
         uint64_t created_us;
+        uint64_t started_us;               /* the current attempt went on the wire */
         uint64_t waiting_since_us;         /* first transient failure of the current run, 0 if none */
 } Request;
 
@@ -622,6 +623,12 @@ bad_bytes:
         return 3;
 }
 
+static const char *priority_name(FetchPriority p) {
+        static const char *const names[] = { "demand", "hoard", "idle" };
+
+        return (unsigned) p < _FETCH_PRIORITY_MAX ? names[p] : "?";
+}
+
 /* The counter of running transfers r belongs to. */
 static unsigned *active_of(Fetcher *f, const Request *r) {
         if (r->kind == REQUEST_PUT)
@@ -705,6 +712,7 @@ static uint64_t start_ready_locked(Fetcher *f) {
                         }
                         request_move(f, r, QUEUE_ACTIVE);
                         (*active_of(f, r))++;
+                        r->started_us = now;
                         r = following;
                 }
         }
@@ -730,9 +738,17 @@ static void finished_transfers(Fetcher *f) {
                 if (done == 1 && result == 0 && r->kind == REQUEST_GET) {
                         curl_off_t ttfb = 0;
 
+                        uint64_t now = now_us();
+
                         curl_easy_getinfo(r->easy, CURLINFO_STARTTRANSFER_TIME_T, &ttfb);
                         pace_delivered(&f->pace, r->body_len);
-                        pace_completed(&f->pace, now_us(), ttfb > 0 ? (uint64_t) ttfb : 0, r->body_len);
+                        pace_completed(&f->pace, now, ttfb > 0 ? (uint64_t) ttfb : 0, r->body_len);
+                        /* What a demand miss waited for, and behind what: the figures bench/ reads. */
+                        log_debug("GET %.12s %s %zu B: queued %.1f ms, first byte %.1f ms, done %.1f ms; "
+                                  "running %u demand, %u background",
+                                  r->hex, priority_name(r->priority), r->body_len,
+                                  (double) (r->started_us - r->created_us) / 1e3, (double) ttfb / 1e3,
+                                  (double) (now - r->started_us) / 1e3, f->active_demand, f->active_hoard);
                 }
                 transfer_cleanup(f, r);
                 (*active_of(f, r))--;

@@ -122,7 +122,8 @@ static void usage(const char *program) {
                "  --memory-mount=DIR     also serve the files at DIR with the kernel's readahead off, for QEMU to\n"
                "                         map DIR/memory: each page fault is then one 4 KiB read, so the trace\n"
                "                         names the very pages a guest touched (ends with MOUNTPOINT)\n"
-               "  --log-level=LEVEL      error, warning, info (default), debug\n"
+               "  --log-level=LEVEL      error, warning, info (default: $VULPES_LOG_LEVEL, else info), debug;\n"
+               "                         debug logs every GET with its queueing and transfer times\n"
                "  -d, -o OPT             libfuse options\n"
                "  -V, --version          print the version and exit\n",
                program);
@@ -197,6 +198,9 @@ static int options_check(Options *o) {
                           o->cache_limit);
                 return -EINVAL;
         }
+        /* VULPES_LOG_LEVEL: the level for every vulpes a program starts (bench/ turns on debug this way). */
+        if (!o->log_level && getenv("VULPES_LOG_LEVEL") && *getenv("VULPES_LOG_LEVEL"))
+                o->log_level = strdup(getenv("VULPES_LOG_LEVEL"));
         if (o->log_level) {
                 int level = log_level_parse(o->log_level);
 
