@@ -1,8 +1,10 @@
 """``isr``: suspend your PC at one machine and resume it at another.
 
 This module only parses: each subcommand is a function ``cmd_<name>(args) -> int`` in `isrctl.commands`
-(one module per family), which prints and leaves the work to the module that owns it. `main` runs one and
-is the only place that turns an exception into a one-line message and an exit code:
+(one module per family), which prints and leaves the work to the module that owns it. `main` imports the
+one module the command line names and runs it (so that a command loads only what it uses: the start of
+`isr hoard` and `isr suspend` counts against their throughput), and is the only place that turns an
+exception into a one-line message and an exit code:
 
     0 success, 1 error, 2 usage, 3 the parcel is locked by someone else, 4 this site's lock was broken,
     130 interrupted.
@@ -10,29 +12,19 @@ is the only place that turns an exception into a one-line message and an exit co
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
-from importlib import metadata
 from typing import Any
 
 from parcels.errors import ParcelError
 
 from . import config as configmod
 from . import policy as policymod
-from .commands.account import cmd_login, cmd_logout, cmd_passwd
-from .commands.hoard import cmd_hoard
-from .commands.mount import cmd_mount, cmd_umount
-from .commands.parcels import cmd_checkout, cmd_clean, cmd_discard, cmd_lock, cmd_ls, cmd_rollback, cmd_stat
-from .commands.schedule import (cmd_calendar_add, cmd_calendar_ls, cmd_calendar_rm, cmd_schedule_run, cmd_schedule_set,
-                                cmd_schedule_show, cmd_site_add, cmd_site_ls, cmd_site_rm)
-from .commands.session import cmd_checkin, cmd_poweroff, cmd_resume, cmd_suspend, cmd_sync
-from .commands.view import cmd_console, cmd_viewer
-from .commands.watch import cmd_top
 from .console import DETACH_NAME
+from .control import POWEROFF_WAIT
 from .display import VIEWERS
 from .errors import IsrError, LockBroken, LockRefused
-from .remote import RemoteUnreachable
-from .session import POWEROFF_WAIT
 
 log = logging.getLogger("isrctl")
 
@@ -72,17 +64,39 @@ by someone else, 4 this site's lock was broken, 130 interrupted. --json results:
 """
 
 
+class _Version(argparse.Action):
+    """``--version``: the version is looked up only when asked (importlib.metadata takes as long to load as
+    the rest of the parser takes to build)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, default: Any = argparse.SUPPRESS,
+                 help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from importlib import metadata
+
+        print(f"{parser.prog} {metadata.version('isr')}")
+        parser.exit()
+
+
+def command_function(name: str) -> Any:
+    """The function a subcommand runs, from its ``"module.cmd_name"`` in the parser: only now is its module
+    (`isrctl.commands.<module>`, and with it what that command uses) imported."""
+    module, _, function = name.rpartition(".")
+    return getattr(importlib.import_module(f"{__package__}.commands.{module}"), function)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="isr", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens (to stderr)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only errors")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('isr')}",
-                        help="print the version (the project's, in VERSION) and exit")
+    parser.add_argument("--version", action=_Version, help="print the version (the project's, in VERSION) and exit")
     parser.set_defaults(func=None)  # no command: `main` prints this help
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    def cmd(name: str, func: Any, help_text: str, description: str | None = None) -> argparse.ArgumentParser:
+    def cmd(name: str, func: str, help_text: str, description: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=description or help_text,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(func=func)
@@ -106,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                            else "the parcel is protected by this key file")
         group.add_argument(f"--{prefix}keyfile", dest=f"{prefix.replace('-', '_')}key_file", help=argparse.SUPPRESS)
 
-    p = cmd("login", cmd_login, "log in to an ISR server and remember it",
+    p = cmd("login", "account.cmd_login", "log in to an ISR server and remember it",
             "Log in to an ISR server. The server's certificate is pinned by the fingerprint isr-server printed\n"
             "at start-up (checked before the password is sent); the token is kept in ~/.local/share/isr/token.")
     p.add_argument("url", help="the server, https://HOST:PORT")
@@ -123,20 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bound this PC's chunk cache, e.g. 20G (least recently used chunks are evicted; chunks not "
                         "yet uploaded never are); default: no limit")
 
-    cmd("logout", cmd_logout, "revoke and forget the token")
+    cmd("logout", "account.cmd_logout", "revoke and forget the token")
 
-    p = cmd("ls", cmd_ls, "list your parcels, their versions and locks")
+    p = cmd("ls", "parcels.cmd_ls", "list your parcels, their versions and locks")
     p.add_argument("-l", "--long", action="store_true", help="also list every version")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
-    p = cmd("checkout", cmd_checkout, "take the lock and fetch the current version's metadata",
+    p = cmd("checkout", "parcels.cmd_checkout", "take the lock and fetch the current version's metadata",
             "Take the parcel's lock and fetch the current version's manifest, keyrings and device state into\n"
             "this site's state (chunks come later, on demand or with `isr hoard`).")
     p.add_argument("parcel", help="parcel name or UUID")
     json_result(p)
     credentials(p)
 
-    p = cmd("resume", cmd_resume, "run the parcel's VM here (Ctrl-C suspends)",
+    p = cmd("resume", "session.cmd_resume", "run the parcel's VM here (Ctrl-C suspends)",
             "Take the lock, fetch what the policy needs, and resume the VM exactly where it was suspended\n"
             "(or boot it if it was powered off). Runs until suspended: Ctrl-C, `isr suspend`, or the guest\n"
             "powering off. With --detach it returns once the guest runs. Of a VM that is running here and\n"
@@ -161,30 +175,30 @@ def build_parser() -> argparse.ArgumentParser:
     json_result(p)
     credentials(p)
 
-    p = cmd("suspend", cmd_suspend, "suspend the running VM and check in a new version",
+    p = cmd("suspend", "session.cmd_suspend", "suspend the running VM and check in a new version",
             "Stop the VM, save its device state, make its disk and RAM images durable, quit QEMU, and check\n"
             "in a new version (releasing the lock) unless --no-checkin.")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: the only running one)")
     p.add_argument("--no-checkin", action="store_true", help="keep the new state here (and the lock)")
     json_result(p)
 
-    p = cmd("checkin", cmd_checkin, "upload local changes as a new version and release the lock")
+    p = cmd("checkin", "session.cmd_checkin", "upload local changes as a new version and release the lock")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: the only one here)")
     json_result(p)
     credentials(p)
 
-    p = cmd("sync", cmd_sync, "upload local changes as a new version and keep the lock",
+    p = cmd("sync", "session.cmd_sync", "upload local changes as a new version and keep the lock",
             "Upload local changes as a new version and keep the lock. Of a VM running here: upload the chunks\n"
             "it wrote, so that a full chunk cache may drop them (its suspend commits the version).")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: the only one here)")
     json_result(p)
     credentials(p)
 
-    p = cmd("discard", cmd_discard, "drop local changes since the last checkout or sync")
+    p = cmd("discard", "parcels.cmd_discard", "drop local changes since the last checkout or sync")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: the only one here)")
     p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
 
-    p = cmd("hoard", cmd_hoard, "fetch a parcel's chunks into this site's cache ahead of time",
+    p = cmd("hoard", "hoard.cmd_hoard", "fetch a parcel's chunks into this site's cache ahead of time",
             "Fetch the current version (everything, or with --working-set the chunks its last session touched\n"
             "first) into this site's cache, so that a later resume with --policy proactive or eager-ws is fast.\n"
             "Needs no lock: the parcel may be running elsewhere (t3 of the ISR timeline).\n"
@@ -216,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         group.add_argument("--category", metavar="NAME", help="events with the CATEGORY NAME (any case)")
         group.add_argument("--summary", metavar="REGEX", help="events whose title (SUMMARY) matches REGEX (any case)")
 
-    p = cmd("site", cmd_site_ls, "which calendar events mean you will be at this PC (site rules)",
+    p = cmd("site", "schedule.cmd_site_ls", "which calendar events mean you will be at this PC (site rules)",
             "Site rules tell `isr schedule` which calendar events mean you will be at this PC: by the event's\n"
             "LOCATION, one of its CATEGORIES, or a pattern in its title. Any rule matching is enough.\n"
             "\n"
@@ -226,17 +240,17 @@ def build_parser() -> argparse.ArgumentParser:
             "  isr site rm 2")
     site_sub = p.add_subparsers(dest="site_command", metavar="ACTION")
     q = site_sub.add_parser("add", help="add a rule", description="Add a site rule (one of the options).")
-    q.set_defaults(func=cmd_site_add)
+    q.set_defaults(func="schedule.cmd_site_add")
     rule_options(q, required=True)
     q = site_sub.add_parser("rm", help="remove a rule", description="Remove a site rule by its number in "
                                                                     "`isr site ls`, or as it was added.")
-    q.set_defaults(func=cmd_site_rm)
+    q.set_defaults(func="schedule.cmd_site_rm")
     q.add_argument("number", nargs="?", type=int, help="the rule's number in `isr site ls`")
     rule_options(q, required=False)
     q = site_sub.add_parser("ls", help="list the rules")
-    q.set_defaults(func=cmd_site_ls)
+    q.set_defaults(func="schedule.cmd_site_ls")
 
-    p = cmd("schedule", cmd_schedule_show, "hoard before your calendar says you will be at this PC",
+    p = cmd("schedule", "schedule.cmd_schedule_show", "hoard before your calendar says you will be at this PC",
             "Plan hoards from calendars: for each upcoming event that a site rule (`isr site`) places at this\n"
             "PC, start hoarding the parcel's newest version early enough to finish before the event starts:\n"
             "bytes missing here / measured throughput x (1 + margin) + overhead, ending lead_s before it.\n"
@@ -250,19 +264,19 @@ def build_parser() -> argparse.ArgumentParser:
     schedule_sub = p.add_subparsers(dest="schedule_command", metavar="ACTION")
     q = schedule_sub.add_parser("calendar", help="add, remove or list calendars",
                                 description="The calendars (iCalendar files or https URLs) that `isr schedule` reads.")
-    q.set_defaults(func=cmd_calendar_ls)
+    q.set_defaults(func="schedule.cmd_calendar_ls")
     calendar_sub = q.add_subparsers(dest="calendar_command", metavar="ACTION")
     r = calendar_sub.add_parser("add", help="add a calendar file or https URL",
                                 description="Add an iCalendar file (stored as an absolute path) or https URL; it is "
                                             "read once now to check it.")
-    r.set_defaults(func=cmd_calendar_add)
+    r.set_defaults(func="schedule.cmd_calendar_add")
     r.add_argument("source", help="a .ics file or an https:// URL")
     r.add_argument("--no-check", action="store_true", help="add it without reading it now")
     r = calendar_sub.add_parser("rm", help="remove a calendar")
-    r.set_defaults(func=cmd_calendar_rm)
+    r.set_defaults(func="schedule.cmd_calendar_rm")
     r.add_argument("source", help="as `isr schedule calendar ls` shows it")
     r = calendar_sub.add_parser("ls", help="list the calendars")
-    r.set_defaults(func=cmd_calendar_ls)
+    r.set_defaults(func="schedule.cmd_calendar_ls")
     q = schedule_sub.add_parser("set", help="show or change a setting",
                                 description="Without arguments, list the settings; with NAME VALUE, change one.\n"
                                             "mode (full or working-set), margin (0.5 = +50 %), overhead_s, lead_s,\n"
@@ -270,14 +284,14 @@ def build_parser() -> argparse.ArgumentParser:
                                             "allday_start (08:00), timezone (default: this machine's), parcels\n"
                                             "(comma-separated; empty: all of yours), site (a label).",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    q.set_defaults(func=cmd_schedule_set)
+    q.set_defaults(func="schedule.cmd_schedule_set")
     q.add_argument("name", nargs="?", help="the setting")
     q.add_argument("value", nargs="?", help="its new value")
     q = schedule_sub.add_parser("show", help="print the plan: events here, bytes missing, when each hoard starts",
                                 description="The plan for the next days: each event at this PC, where and when, the "
                                             "bytes still missing here, when the hoard starts and is expected to "
                                             "finish, and a warning where there is not enough time.")
-    q.set_defaults(func=cmd_schedule_show)
+    q.set_defaults(func="schedule.cmd_schedule_show")
     q.add_argument("--days", type=float, metavar="N", help="look N days ahead (default: horizon_days, 7)")
     q.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(days=None, json=False)
@@ -287,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "changes, a new version is checked in, or every --replan seconds. What "
                                             "was hoarded and the measured throughput survive restarts. SIGTERM or "
                                             "Ctrl-C stops it cleanly.")
-    q.set_defaults(func=cmd_schedule_run)
+    q.set_defaults(func="schedule.cmd_schedule_run")
     q.add_argument("--once", action="store_true", help="plan, run the hoards due now, print the plan and exit")
     q.add_argument("--replan", type=float, default=300.0, metavar="SECONDS",
                    help="plan again at least this often (default 300)")
@@ -300,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--count", type=int, default=0, metavar="N", help="with --watch: stop after N updates "
                                                                           "(default: until Ctrl-C or the parcel stops)")
 
-    p = cmd("stat", cmd_stat, "show local state: version, lock, dirty chunks, cache, hoard, memory image")
+    p = cmd("stat", "parcels.cmd_stat", "show local state: version, lock, dirty chunks, cache, hoard, memory image")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: all with local state)")
     p.add_argument("--json", action="store_true", help="machine-readable output (with --watch: a JSON line an update)")
     p.add_argument("--watch", action="store_true",
@@ -308,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "misses, hoard (also `isr top`)")
     watch_options(p)
 
-    p = cmd("top", cmd_top, "follow a running or mounted parcel live (isr stat --watch)",
+    p = cmd("top", "watch.cmd_top", "follow a running or mounted parcel live (isr stat --watch)",
             "Follow a parcel resumed or mounted here, refreshed every second on a terminal (one line per update\n"
             "otherwise): dirty bytes not yet in the cache and bytes not yet uploaded, the chunk cache's fill, the\n"
             "fetch and upload rates, demand misses per second (guest reads that waited for the server) and the\n"
@@ -318,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(watch=True)
     watch_options(p)
 
-    p = cmd("mount", cmd_mount, "expose a parcel's disk image in a directory, without running its VM",
+    p = cmd("mount", "mount.cmd_mount", "expose a parcel's disk image in a directory, without running its VM",
             "Serve the parcel's disk (and memory) image as files DIR/disk and DIR/memory through vulpes, without\n"
             "running its VM: to copy a file out (`mount -o loop,ro DIR/disk /mnt`), back it up or run fsck.\n"
             "Chunks not in the cache are fetched on demand. Read-only, from this site's local state if the parcel\n"
@@ -332,29 +346,29 @@ def build_parser() -> argparse.ArgumentParser:
     json_result(p)
     credentials(p)
 
-    p = cmd("umount", cmd_umount, "end an `isr mount` (its writes become local changes to check in)")
+    p = cmd("umount", "mount.cmd_umount", "end an `isr mount` (its writes become local changes to check in)")
     p.add_argument("dir", help="the directory the parcel is mounted on")
     json_result(p)
 
-    p = cmd("clean", cmd_clean, "remove a parcel's local state (and release its lock)")
+    p = cmd("clean", "parcels.cmd_clean", "remove a parcel's local state (and release its lock)")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID")
     p.add_argument("-f", "--force", action="store_true", help="even with local changes or an unreachable server")
     p.add_argument("--cache", action="store_true", help="also remove the chunk cache shared by all parcels")
     p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
 
-    p = cmd("rollback", cmd_rollback, "make a new version with an older version's content")
+    p = cmd("rollback", "parcels.cmd_rollback", "make a new version with an older version's content")
     p.add_argument("parcel", help="parcel name or UUID")
     p.add_argument("version", type=int, help="the older version to go back to")
     json_result(p)
     credentials(p)
 
-    p = cmd("lock", cmd_lock, "show who holds the lock; --force breaks it")
+    p = cmd("lock", "parcels.cmd_lock", "show who holds the lock; --force breaks it")
     p.add_argument("parcel", help="parcel name or UUID")
     p.add_argument("--force", action="store_true", help="break the lock (asks first)")
     p.add_argument("--reason", default="", help="recorded in the server's audit log")
     p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
 
-    p = cmd("poweroff", cmd_poweroff, "shut the VM down (or forget the saved RAM): the next resume boots cold",
+    p = cmd("poweroff", "session.cmd_poweroff", "shut the VM down (or forget the saved RAM): the next resume boots cold",
             "Power the VM off. A running one is asked to shut down (the ACPI power button) and given --timeout\n"
             "seconds to power itself off; then, or at once with --force, its plug is pulled. The version then\n"
             "checked in has no device state and an all-zero memory image, so the next resume boots it cold.")
@@ -366,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     json_result(p)
     credentials(p)
 
-    p = cmd("console", cmd_console, "attach this terminal to the serial console of a VM running here",
+    p = cmd("console", "view.cmd_console", "attach this terminal to the serial console of a VM running here",
             "Attach to the serial console of the parcel's VM running at this site (also one resumed with\n"
             "--detach, and while other clients are attached: all see the output, all may type). What the guest\n"
             f"printed before is shown first. On a terminal every key goes to the guest; {DETACH_NAME} detaches.\n"
@@ -374,14 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
             "has ended and the guest has been quiet for a second.")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: the only one running here)")
 
-    p = cmd("viewer", cmd_viewer, "show the display of a VM running here in a VNC viewer",
+    p = cmd("viewer", "view.cmd_viewer", "show the display of a VM running here in a VNC viewer",
             "Start a VNC viewer (" + ", ".join(VIEWERS) + ") on the display of the parcel's VM running\n"
             "at this site; without one, or without a graphical session, print how to connect (address, port,\n"
             "password). A display on a non-loopback address has a password (`isr resume --vnc HOST:N`).")
     p.add_argument("parcel", nargs="?", help="parcel name or UUID (default: the only one running here)")
     p.add_argument("--print", action="store_true", help="only print how to connect")
 
-    p = cmd("passwd", cmd_passwd, "change the parcel's passphrase (or switch to a key file)")
+    p = cmd("passwd", "account.cmd_passwd", "change the parcel's passphrase (or switch to a key file)")
     p.add_argument("parcel", help="parcel name or UUID")
     credentials(p)
     credentials(p, new=True)
@@ -397,19 +411,22 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="isr: %(name)s: %(message)s")
     try:
-        return int(args.func(args) or 0)
+        return int(command_function(args.func)(args) or 0)
     except LockRefused as exc:
         print(f"isr: {exc}", file=sys.stderr)
         return EXIT_LOCKED
     except LockBroken as exc:
         print(f"isr: {exc}", file=sys.stderr)
         return EXIT_LOCK_BROKEN
-    except RemoteUnreachable as exc:
-        print(f"isr: the server is unreachable: {exc} (for work without it see `isr resume --disconnected`)",
-              file=sys.stderr)
-        return EXIT_ERROR
     except (IsrError, ParcelError) as exc:
-        print(f"isr: {exc}", file=sys.stderr)
+        # Imported only here: a command that never reaches the server does not load the HTTP client.
+        from .remote import RemoteUnreachable
+
+        if isinstance(exc, RemoteUnreachable):
+            print(f"isr: the server is unreachable: {exc} (for work without it see `isr resume --disconnected`)",
+                  file=sys.stderr)
+        else:
+            print(f"isr: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("isr: interrupted", file=sys.stderr)

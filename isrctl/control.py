@@ -17,16 +17,21 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from isrprogress import JsonReporter, Replayer, Reporter
 
 from .errors import LockBroken, SessionError
-from .localstate import ParcelState
 from .paths import listen_private
+
+if TYPE_CHECKING:
+    from .localstate import ParcelState
 
 #: The control socket, in the session's runtime directory.
 CONTROL_SOCKET = "session.sock"
+#: How long `isr poweroff` lets the guest shut itself down (ACPI power button) before pulling the plug: a
+#: poweroff request's ``wait`` when it gives none.
+POWEROFF_WAIT = 30.0
 
 
 @dataclass
@@ -41,7 +46,7 @@ class Request:
     result: dict[str, Any] | None = None
     error: str | None = None
     kind: str | None = None
-    #: poweroff: how long the guest may take to shut down when asked (None: the session's default), or
+    #: poweroff: how long the guest may take to shut down when asked (None: `POWEROFF_WAIT`), or
     #: pull the plug at once (``force``).
     wait: float | None = None
     force: bool = False

@@ -15,16 +15,18 @@ import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from isrprogress import Reporter, human_bytes
 from parcels.keyring import KeyringRecord
 from parcels.manifest import IMAGES
 
 from .errors import IsrError
-from .qemu import VM
-from .remote import Remote
 from .vulpes import CacheUsage, Vulpes, cache_object_path
+
+if TYPE_CHECKING:  # annotations only: `isr hoard` need not load the QEMU modules through here
+    from .qemu import VM
+    from .remote import Remote
 
 log = logging.getLogger(__name__)
 

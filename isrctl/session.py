@@ -72,7 +72,7 @@ from .checkin import compare as compare_changes
 from .checkin import stage as stage_blobs
 from .checkout import Client, boot_blobs, ensure_checkout, version_blobs
 from .console import CONSOLE_SOCKET, ConsoleRelay
-from .control import CONTROL_SOCKET, ControlServer, Request
+from .control import CONTROL_SOCKET, POWEROFF_WAIT, ControlServer, Request
 from .errors import IsrError, LockBroken, SessionError, StateError, VMError, VMTimeoutError, VulpesFailure
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState, write_file
 from .qemu import VM, VMConfig
@@ -88,8 +88,6 @@ _UPLOAD_STALL = 20.0
 #: How long an ending session waits for its control thread to hand the result to the requester.
 _ANSWER_TIMEOUT = 10.0
 _RENEW_DEFAULT = 60.0
-#: How long `isr poweroff` lets the guest shut itself down (ACPI power button) before pulling the plug.
-POWEROFF_WAIT = 30.0
 
 
 class Refused(SessionError):

@@ -8,10 +8,7 @@ import time
 
 from isrprogress import human_bytes
 
-from .. import hoard as hoardmod
-from .. import hoarded
-from .. import paths
-from .. import schedule as schedulemod
+from .. import hoarded, paths
 from ..checkout import Client
 from ..errors import StateError
 from ..keyhoard import hoard_with_key
@@ -37,6 +34,10 @@ def cmd_hoard(args: argparse.Namespace) -> int:
                              f"(resume with --policy lazy-ws to hoard in the background)")
         mode = "working-set" if args.working_set else "full"
         if keyless:
+            # Imported here: a hoard with the key needs neither vulpes-fetch's driver nor the scheduler (whose
+            # calendar parsing takes a fifth of `isr`'s start).
+            from .. import hoard as hoardmod
+
             result = hoardmod.hoard(client, parcel, mode, reporter)
             _note_throughput(result.bytes, result.seconds)
             return common.finish(
@@ -109,5 +110,7 @@ def _check_or_drop(args: argparse.Namespace) -> int:
 
 def _note_throughput(nbytes: int, seconds: float) -> None:
     """A hoard's transfer rate also informs the hoard scheduler's plans."""
+    from .. import schedule as schedulemod
+
     with schedulemod.RunnerState.updating(paths.schedule_state_file()) as state:
         state.add_sample(nbytes, seconds)
