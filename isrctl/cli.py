@@ -419,10 +419,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"isr: {exc}", file=sys.stderr)
         return EXIT_LOCK_BROKEN
     except (IsrError, ParcelError) as exc:
-        # Imported only here: a command that never reaches the server does not load the HTTP client.
-        from .remote import RemoteUnreachable
-
-        if isinstance(exc, RemoteUnreachable):
+        # Only a command that loaded the HTTP client (`remote`) can have failed to reach the server; the others
+        # must not load it just to find that out.
+        remote = sys.modules.get(f"{__package__}.remote")
+        if remote is not None and isinstance(exc, remote.RemoteUnreachable):
             print(f"isr: the server is unreachable: {exc} (for work without it see `isr resume --disconnected`)",
                   file=sys.stderr)
         else:

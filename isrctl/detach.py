@@ -12,33 +12,54 @@ import contextlib
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from isrprogress import JsonReporter, Replayer, Reporter, TerminalReporter
-from parcels.parcel import ParcelKeys
 
 from . import keys as keymod
 from .control import Request, request
 from .errors import IsrError, LockBroken, LockRefused, SessionError
 from .localstate import DAMAGED, ParcelState
-from .session import Session, SessionOptions
+
+if TYPE_CHECKING:  # the session's modules are imported by the session's process alone (`isr suspend` waits here)
+    from parcels.parcel import ParcelKeys
+
+    from .session import SessionOptions
 
 log = logging.getLogger(__name__)
 
 
 def wait_for_exit(pid: int, timeout: float = 120.0) -> bool:
-    """Wait until process ``pid`` is gone; True if it went within ``timeout`` seconds."""
+    """Wait until process ``pid`` is gone; True if it went within ``timeout`` seconds.
+
+    Woken by the exit itself through a pidfd (readable once the process has ended), so that `isr suspend`
+    returns the moment the session is gone; without pidfds (an old kernel), by looking every 50 ms."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not process_alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
+    try:
+        fd: int | None = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        fd = None
+    try:
+        while process_alive(pid):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if fd is None:
+                time.sleep(min(left, 0.05))
+            elif select.select([fd], [], [], left)[0]:
+                return True
+        return True
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def process_alive(pid: int) -> bool:
@@ -200,6 +221,8 @@ def _detached_main() -> int:
 
     reporter = JsonReporter(write)
     try:
+        from .session import Session, SessionOptions
+
         request_data = json.loads(sys.stdin.readline())
         options = SessionOptions.from_json(request_data["options"])
         parcel_keys = keymod.read_keys_fd(int(request_data["key_fd"]))

@@ -19,14 +19,19 @@ import hmac
 import json
 import socket
 import ssl
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
+# httpx's package imports its command-line client (click, pygments, rich) whenever click is installed, as it is
+# here for isr-server; isr never runs that client, and loading it took a tenth of `isr hoard`'s start. None in
+# sys.modules makes that import fail, and httpx then goes without it, as it does where click is missing.
+sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
+import httpx  # noqa: E402
 
-from .errors import IsrError
+from .errors import IsrError  # noqa: E402
 
 DEFAULT_TIMEOUT = 60.0
 MISSING_BATCH = 10000

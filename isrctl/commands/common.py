@@ -12,15 +12,17 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from isrprogress import TerminalReporter
 
 from .. import config as configmod
 from .. import keys as keymod
-from ..checkout import Client, lost_lock
 from ..errors import ConfigError, IsrError, StateError
 from ..localstate import POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState, local_parcels
+
+if TYPE_CHECKING:  # the HTTP client is imported by the commands that reach the server (not `isr suspend`)
+    from ..checkout import Client
 
 log = logging.getLogger("isrctl")
 
@@ -142,6 +144,8 @@ def confirm(question: str, args: argparse.Namespace) -> None:
 def quick_client() -> Iterator[Client]:
     """A connection for commands that only look: requests give up after QUICK_TIMEOUT seconds, and after
     QUICK_NOTE_AFTER seconds without an answer a line on stderr says what isr is waiting for."""
+    from ..checkout import Client
+
     with Client(timeout=QUICK_TIMEOUT) as client:
         timer = threading.Timer(QUICK_NOTE_AFTER, lambda: print(
             f"isr: waiting for the server {client.config.server} (no answer for {QUICK_NOTE_AFTER:g} s; giving up "
@@ -157,6 +161,8 @@ def quick_client() -> Iterator[Client]:
 def lost_locks(states: list[ParcelState], server: str, parcels: list[dict[str, Any]]) -> dict[str, str]:
     """The parcels (by id) whose lock this site records but the server (``server``, whose parcel list is
     ``parcels``) no longer shows as this site's, each with why (`checkout.lost_lock`)."""
+    from ..checkout import lost_lock
+
     listed = {p["id"]: p for p in parcels}
     lost: dict[str, str] = {}
     for state in states:

@@ -1,4 +1,9 @@
-"""`isr resume`, `isr suspend`, `isr poweroff`, `isr checkin`, `isr sync`: a parcel's session at this site."""
+"""`isr resume`, `isr suspend`, `isr poweroff`, `isr checkin`, `isr sync`: a parcel's session at this site.
+
+`isr suspend` (and `isr sync` of a running VM) only ask the session over its control socket and wait, so
+the session's own modules and the HTTP client are imported in the commands that use them: the suspend's
+start counts against the checkin's throughput.
+"""
 from __future__ import annotations
 
 import argparse
@@ -10,13 +15,9 @@ from typing import Any
 from isrprogress import human_bytes
 from parcels.manifest import IMAGES
 
-from .. import checkin as checkinmod
 from .. import config as configmod
 from .. import control, detach, paths
-from .. import mount as mountmod
 from .. import policy as policymod
-from .. import session as sessionmod
-from ..checkout import Client
 from ..errors import IsrError, StateError
 from ..localstate import DAMAGED, POWEROFF, LocalChange, ParcelState
 from . import common
@@ -34,6 +35,10 @@ def running_session(ref: str | None) -> ParcelState | None:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    from .. import mount as mountmod
+    from .. import session as sessionmod
+    from ..checkout import Client
+
     reporter = common.make_reporter(args)
     policymod.get(args.policy)
     running = running_session(args.parcel)
@@ -117,6 +122,10 @@ def cmd_poweroff(args: argparse.Namespace) -> int:
         if args.timeout is not None and args.timeout < 0:
             raise IsrError(f"--timeout {args.timeout:g}: give a number of seconds >= 0")
         return _end_session(args, "poweroff", wait=args.timeout, force=args.force)
+    from .. import checkin as checkinmod
+    from .. import session as sessionmod
+    from ..checkout import Client
+
     reporter = common.make_reporter(args)
     checkout = state.require_checkout()
     with state.locked():
@@ -138,6 +147,9 @@ def cmd_poweroff(args: argparse.Namespace) -> int:
 
 
 def cmd_checkin(args: argparse.Namespace, keep_lock: bool = False) -> int:
+    from .. import checkin as checkinmod
+    from ..checkout import Client
+
     reporter = common.make_reporter(args)
     state = common.local_state(args.parcel)
     checkout = state.require_checkout()
