@@ -275,12 +275,6 @@ class Vulpes:
         finally:
             os.close(fd)
 
-    def wait_quiet(self, timeout: float) -> bool:
-        """Wait (at most ``timeout`` seconds) until no guest waits for the server and none has for the quiet
-        period vulpes's own background transfers wait for; True if that came. For transfers outside vulpes that
-        must keep out of a guest's misses (the resume pack's later parts)."""
-        return bool(self.control({"op": "quiet", "timeout_ms": round(timeout * 1000)}, timeout=timeout + 30)["quiet"])
-
     def flush(self) -> None:
         """Make every write vulpes has acknowledged durable (chunk objects and keyring records)."""
         self.control({"op": "flush"}, timeout=600)
