@@ -20,6 +20,8 @@
  * Room: a chunk that becomes dirty reserves room in the cache for its largest object first
  * (cache_reserve()), and its flush spends that reservation, so a flush does not fail for lack of space
  * after the write was acknowledged; a write without room fails with ENOSPC before it changes anything.
+ * A punched chunk (image_punch()) is dirty zeros without room: its flush stores nothing, and a write to
+ * it reserves first like a write to a clean chunk.
  *
  * Threading: every function is safe from any thread.  Lock order: flush_lock, then lock, then db_lock.
  * Besides the callers' threads: one flusher and READAHEAD_WORKERS readahead workers per image.
@@ -709,7 +711,8 @@ static bool is_full(int r) {
 }
 
 /*
- * With the lock held, before chunk idx (READY, clean) becomes dirty: room in the cache for its object.
+ * With the lock held, before chunk idx (READY; clean, or dirty zeros from a punch) takes a write: room in the
+ * cache for its object.
  * The lock is dropped meanwhile (a reservation may evict, or flush to give back what dirty chunks hold
  * beyond their objects); the chunk is pinned so that it stays in RAM.  Returns 0, or -ENOSPC (only
  * without full_waits: then the chunk goes ahead without room, and its flush reserves again).
@@ -736,6 +739,38 @@ static int chunk_reserve_locked(Image *img, uint64_t idx) {
         return 0;
 }
 
+/*
+ * With the lock held, before chunk idx (n bytes) may become dirty: back-pressure, since dirty chunks are
+ * pinned and must not fill RAM.  Returns 0, or the standing flush failure.
+ */
+static int dirty_room_wait_locked(Image *img, uint64_t idx, size_t n) {
+        Chunk *c = &img->chunks[idx];
+
+        while (!c->dirty && img->dirty_bytes + n > img->ram_limit / 4 * 3 && img->dirty_chunks > 0) {
+                if (img->flush_error && !(img->full_waits && is_full(img->flush_error)))
+                        return img->flush_error;
+                flusher_kick_locked(img);
+                pthread_cond_wait(&img->cond, &img->lock);
+        }
+        return 0;
+}
+
+/* With the lock held, after chunk idx (READY) changed: it is dirty until a flush makes it durable. */
+static void chunk_changed_locked(Image *img, uint64_t idx) {
+        Chunk *c = &img->chunks[idx];
+
+        c->gen++;
+        c->pack_stale = true;
+        if (c->dirty)
+                return;
+        c->dirty = true;
+        img->dirty_bytes += length_of(img, idx);
+        img->dirty_chunks++;
+        lru_remove(img, (int64_t) idx);
+        if (img->dirty_bytes > img->ram_limit / 4)
+                flusher_kick_locked(img);
+}
+
 ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset) {
         const uint8_t *in = buf;
         size_t done = 0;
@@ -754,18 +789,11 @@ ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset) {
                 if (piece > len - done)
                         piece = len - done;
                 pthread_mutex_lock(&img->lock);
-                /* Back-pressure: dirty chunks are pinned, so they must not fill RAM. */
-                while (!c->dirty && img->dirty_bytes + n > img->ram_limit / 4 * 3 && img->dirty_chunks > 0) {
-                        if (img->flush_error && !(img->full_waits && is_full(img->flush_error))) {
-                                r = img->flush_error;
-                                pthread_mutex_unlock(&img->lock);
-                                return done > 0 ? (ssize_t) done : r;
-                        }
-                        flusher_kick_locked(img);
-                        pthread_cond_wait(&img->cond, &img->lock);
-                }
-                r = chunk_ready_locked(img, idx, piece == n, &tier);
-                if (r >= 0 && !c->dirty && !c->reserved)
+                r = dirty_room_wait_locked(img, idx, n);
+                if (r >= 0)
+                        r = chunk_ready_locked(img, idx, piece == n, &tier);
+                /* Dirty chunks hold room, but for those that went dirty without (full_waits) and punched ones. */
+                if (r >= 0 && !c->reserved && (!c->dirty || !img->full_waits))
                         r = chunk_reserve_locked(img, idx);
                 if (r < 0) {
                         pthread_mutex_unlock(&img->lock);
@@ -773,22 +801,67 @@ ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset) {
                         return done > 0 ? (ssize_t) done : r;
                 }
                 memcpy(c->data + in_chunk, in + done, piece);
-                c->gen++;
-                c->pack_stale = true;
-                if (!c->dirty) {
-                        c->dirty = true;
-                        img->dirty_bytes += n;
-                        img->dirty_chunks++;
-                        lru_remove(img, (int64_t) idx);
-                        if (img->dirty_bytes > img->ram_limit / 4)
-                                flusher_kick_locked(img);
-                }
+                chunk_changed_locked(img, idx);
                 pthread_mutex_unlock(&img->lock);
                 account(img, idx, TRACE_WRITE, tier, pos, piece);
                 done += piece;
         }
         stats_add(&img->src.stats->bytes_written, done);
         return (ssize_t) done;
+}
+
+/*
+ * With the lock held: whole chunk idx becomes zeros without being read.  A chunk that has no record and
+ * is not in RAM is zeros already; any other becomes dirty zeros, whose flush drops its record (an all-zero
+ * chunk has none).  It reserves no room: its flush stores no object.
+ */
+static int chunk_punch_locked(Image *img, uint64_t idx) {
+        StatsTier tier;
+        int r;
+
+        if (img->chunks[idx].state == CHUNK_ABSENT && !img->present[idx])
+                return 0;
+        r = dirty_room_wait_locked(img, idx, length_of(img, idx));
+        if (r >= 0)
+                r = chunk_ready_locked(img, idx, true, &tier);
+        if (r < 0)
+                return r;
+        memset(img->chunks[idx].data, 0, length_of(img, idx));
+        chunk_changed_locked(img, idx);
+        return 0;
+}
+
+/* Zeros [offset, end), within one chunk, through the write path (which reads the rest of the chunk). */
+static int zero_piece(Image *img, uint64_t offset, uint64_t end) {
+        ssize_t w = offset < end ? image_write(img, img->zeros, (size_t) (end - offset), offset) : 0;
+
+        return w < 0 ? (int) w : 0;
+}
+
+int image_punch(Image *img, uint64_t offset, uint64_t len) {
+        uint64_t end, first, last, head_end;
+        int r;
+
+        if (offset >= img->size || len == 0)
+                return 0;
+        end = len > img->size - offset ? img->size : offset + len;
+        /* Chunks first..last-1 lie wholly in [offset, end); the edges are pieces of the chunks around them. */
+        first = (offset + img->chunk_size - 1) / img->chunk_size;
+        last = end == img->size ? img->n_chunks : end / img->chunk_size;
+        head_end = first * img->chunk_size < end ? first * img->chunk_size : end;
+        r = zero_piece(img, offset, head_end);
+        for (uint64_t idx = first; idx < last && r >= 0; idx++) {
+                pthread_mutex_lock(&img->lock);
+                r = chunk_punch_locked(img, idx);
+                pthread_mutex_unlock(&img->lock);
+                if (r < 0)
+                        stats_add(&img->src.stats->errors, 1);
+                else
+                        account(img, idx, TRACE_WRITE, STATS_TIER_ZERO, idx * img->chunk_size, length_of(img, idx));
+        }
+        if (r >= 0)
+                r = zero_piece(img, last * img->chunk_size > head_end ? last * img->chunk_size : head_end, end);
+        return r;
 }
 
 /* --- flushing --------------------------------------------------------------------------------------- */
@@ -844,9 +917,12 @@ static int flush_batch(Image *img, FlushItem *items, size_t n) {
         r = cache_batch_new(img->src.cache, true, &batch);
         if (r < 0)
                 goto out;
-        /* Chunks that went dirty without room (full_waits) need it now, before any work. */
+        /* All-zero chunks lose their record and store nothing.  The others that went dirty without room
+         * (full_waits, or punched and written again) need it now, before any work. */
         for (size_t i = 0; i < n; i++) {
-                if (items[i].reserved)
+                changes[i].record.idx = items[i].idx;
+                changes[i].remove = chunk_is_zero(items[i].data, length_of(img, items[i].idx));
+                if (items[i].reserved || changes[i].remove)
                         continue;
                 r = cache_reserve(img->src.cache, img->object_max);
                 if (r < 0) {
@@ -862,11 +938,8 @@ static int flush_batch(Image *img, FlushItem *items, size_t n) {
                 uint8_t key[IMAGE_KEY_LEN];
                 KeyringChange *ch = &changes[i];
 
-                ch->record.idx = items[i].idx;
-                if (chunk_is_zero(items[i].data, len)) {
-                        ch->remove = true;
+                if (ch->remove)
                         continue;
-                }
                 r = chunk_encode(items[i].data, len, img->src.secret, COMPRESS_LEVEL_DEFAULT, object, &object_len,
                                  ch->record.tag, key, &ch->record.flags);
                 if (r >= 0)

@@ -83,6 +83,16 @@ ssize_t image_read(Image *img, void *buf, size_t len, uint64_t offset);
 ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset);
 
 /*
+ * Makes [offset, offset + len) read as zeros (clipped at the image's end), for fallocate's PUNCH_HOLE and
+ * ZERO_RANGE.  Whole chunks in the range are not read: they become dirty zeros, so their flush drops
+ * their records (an all-zero chunk has none; nothing is stored, uploaded or fetched for it).  The pieces
+ * of chunks at either edge are written as zeros like any write.  Durable like a write: at the next
+ * image_flush().  Returns 0 or a negative errno (as image_write(); a failure part-way leaves a prefix
+ * zeroed).
+ */
+int image_punch(Image *img, uint64_t offset, uint64_t len);
+
+/*
  * image_read() without the copy, for a caller that hands the bytes on (FUSE replies with the RAM cache's
  * own memory): fills iov[0..*ret_n) with pieces that cover the bytes read, each a pointer into a chunk in
  * RAM, pinned so that it stays there, or to zeros.  Returns the byte count as image_read() does (short

@@ -399,22 +399,36 @@ static void op_statfs(fuse_req_t req, fuse_ino_t ino) {
         fuse_reply_statfs(req, &st);
 }
 
+/*
+ * fallocate: the images are fully allocated and never grow, so mode 0 within the image is a no-op.
+ * PUNCH_HOLE (with KEEP_SIZE, as the kernel demands) and ZERO_RANGE make the range read as zeros
+ * (image_punch()): QEMU punches the guest RAM pages the guest reports free (virtio-balloon's free page
+ * reporting) and the disk blocks it discards.  The kernel writes back the range's dirty pages before and
+ * drops them from its page cache after.
+ */
 static void op_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset, off_t length,
                          struct fuse_file_info *fi) {
-        int file = file_of(ino);
+        int file = file_of(ino), r = 0;
+        bool zeroes = mode == (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE) || mode == FALLOC_FL_ZERO_RANGE ||
+                      mode == (FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE);
+        Image *img;
 
         (void) fi;
         if (file < 0) {
-                fuse_reply_err(req, ENOENT);
+                fuse_reply_err(req, -file);
                 return;
         }
-        /* The images are fully allocated already; growing them is not allowed. */
-        if (file == FILE_STATS || offset < 0 || length < 0 ||
-            (uint64_t) (offset + length) > image_size(image_of(req, file))) {
-                fuse_reply_err(req, EOPNOTSUPP);
+        if (file == FILE_STATS || offset < 0 || length <= 0 || (mode != 0 && !zeroes)) {
+                fuse_reply_err(req, file == FILE_STATS ? EACCES : mode != 0 && !zeroes ? EOPNOTSUPP : EINVAL);
                 return;
         }
-        fuse_reply_err(req, mode == 0 ? 0 : EOPNOTSUPP);
+        img = image_of(req, file);
+        /* Growing the image is not allowed; a hole that reaches past its end (KEEP_SIZE) is clipped. */
+        if ((uint64_t) offset + (uint64_t) length > image_size(img) && !(mode & FALLOC_FL_KEEP_SIZE))
+                r = -EOPNOTSUPP;
+        else if (zeroes)
+                r = image_punch(img, (uint64_t) offset, (uint64_t) length);
+        fuse_reply_err(req, no_room(r) ? ENOSPC : -r);
 }
 
 static const struct fuse_lowlevel_ops operations = {

@@ -2,7 +2,7 @@
 /*
  * Tests for image.c without FUSE or a server: read-modify-write against a model (unaligned, chunk-crossing,
  * the short last chunk), flush to cache and keyring and reopening from them, all-zero chunks losing their
- * record, the RAM bound, upload bookkeeping, a definitive error for a chunk that exists nowhere, the
+ * record, punched holes (whole chunks dropped unread, edges zeroed), the RAM bound, upload bookkeeping, a definitive error for a chunk that exists nowhere, the
  * resume pack, and the trace line format.
  */
 #define _GNU_SOURCE
@@ -167,6 +167,17 @@ static void test_zero_chunk_loses_record(void **state) {
         keyring_free(k);
 }
 
+/* Writes every chunk whole, chunk i with the byte i + 1, in the image and the model. */
+static void fill_chunks(Fixture *f, Image *img) {
+        uint8_t data[CS];
+
+        for (uint64_t i = 0; i < 21; i++) {
+                memset(data, (int) i + 1, sizeof(data));
+                assert_int_equal(image_write(img, data, i == 20 ? 1536 : CS, i * CS), i == 20 ? 1536 : CS);
+                memset(f->model + i * CS, (int) i + 1, i == 20 ? 1536 : CS);
+        }
+}
+
 static void test_ram_bound_and_uploads(void **state) {
         Fixture *f = *state;
         uint8_t (*tags)[IMAGE_TAG_LEN] = malloc(64 * IMAGE_TAG_LEN);
@@ -175,11 +186,7 @@ static void test_ram_bound_and_uploads(void **state) {
         ImageStatus st;
         Image *img = open_image(f, 8 * CS);
 
-        for (uint64_t i = 0; i < 21; i++) {
-                memset(data, (int) i + 1, sizeof(data));
-                assert_int_equal(image_write(img, data, i == 20 ? 1536 : CS, i * CS), i == 20 ? 1536 : CS);
-                memset(f->model + i * CS, (int) i + 1, i == 20 ? 1536 : CS);
-        }
+        fill_chunks(f, img);
         assert_int_equal(image_flush(img), 0);
         check_all(img, f->model);
         image_status(img, &st);
@@ -204,16 +211,23 @@ static void test_ram_bound_and_uploads(void **state) {
         free(tags);
 }
 
+/* Chunk idx's object in the cache (flushed), for a test to delete. */
+static void object_path(Fixture *f, Image *img, uint64_t idx, char *path, size_t size) {
+        uint8_t tag[IMAGE_TAG_LEN];
+        char hex[65];
+
+        assert_int_equal(image_chunk_tag(img, idx, tag), 0);
+        hex_encode(tag, IMAGE_TAG_LEN, hex);
+        snprintf(path, size, "%s/chunks/%.2s/%.2s/%s", f->cache_dir, hex, hex + 2, hex);
+}
+
 /* Flushes img, closes it, deletes chunk idx's object from the cache and opens the image again. */
 static Image *reopen_without(Fixture *f, Image *img, uint64_t idx) {
-        uint8_t tag[IMAGE_TAG_LEN];
-        char hex[65], path[256];
+        char path[256];
 
         assert_int_equal(image_flush(img), 0);
-        assert_int_equal(image_chunk_tag(img, idx, tag), 0);
+        object_path(f, img, idx, path, sizeof(path));
         image_free(img);
-        hex_encode(tag, IMAGE_TAG_LEN, hex);
-        snprintf(path, sizeof(path), "%s/chunks/%.2s/%.2s/%s", f->cache_dir, hex, hex + 2, hex);
         assert_int_equal(unlink(path), 0);
         return open_image(f, 64 * CS);
 }
@@ -313,6 +327,60 @@ static void test_resume_pack(void **state) {
         image_free(img);
 }
 
+static void test_punch(void **state) {
+        Fixture *f = *state;
+        uint8_t data[CS], tag[IMAGE_TAG_LEN];
+        char path[256];
+        ImageStatus st;
+        Image *img = open_image(f, 64 * CS);
+
+        fill_chunks(f, img);
+        assert_int_equal(image_flush(img), 0);
+        /* Chunk 4 is nowhere but its record: a punch that covers it whole must not read it. */
+        object_path(f, img, 4, path, sizeof(path));
+        assert_int_equal(unlink(path), 0);
+
+        /* Chunk 2 from byte 100, chunks 3-5 whole, chunk 6 up to byte 50. */
+        assert_int_equal(image_punch(img, 2 * CS + 100, 4 * CS - 50), 0);
+        memset(f->model + 2 * CS + 100, 0, 4 * CS - 50);
+        /* Within one chunk; across the edge of two with no whole chunk between; past the end (clipped),
+         * taking the short last chunk whole. */
+        assert_int_equal(image_punch(img, 8 * CS + 10, 20), 0);
+        memset(f->model + 8 * CS + 10, 0, 20);
+        assert_int_equal(image_punch(img, 10 * CS - 7, 17), 0);
+        memset(f->model + 10 * CS - 7, 0, 17);
+        assert_int_equal(image_punch(img, 20 * CS, 10 * CS), 0);
+        memset(f->model + 20 * CS, 0, 1536);
+        assert_int_equal(image_punch(img, IMAGE_BYTES, CS), 0);
+        assert_int_equal(image_punch(img, 0, 0), 0);
+        check_all(img, f->model);
+        image_status(img, &st);
+        assert_int_equal(st.records, 21);                  /* until the flush */
+        assert_int_equal(image_flush(img), 0);
+        image_status(img, &st);
+        assert_int_equal(st.records, 21 - 4);
+        for (uint64_t i = 3; i <= 5; i++)
+                assert_int_equal(image_chunk_tag(img, i, tag), -ENOENT);
+        assert_int_equal(image_chunk_tag(img, 20, tag), -ENOENT);
+        assert_int_equal(image_chunk_tag(img, 2, tag), 0);
+        assert_int_equal(image_chunk_tag(img, 6, tag), 0);
+        /* A punched chunk written again is stored again. */
+        memset(data, 0x5a, sizeof(data));
+        assert_int_equal(image_write(img, data, 10, 5 * CS + 1), 10);
+        memset(f->model + 5 * CS + 1, 0x5a, 10);
+        assert_int_equal(image_flush(img), 0);
+        assert_int_equal(image_chunk_tag(img, 5, tag), 0);
+        image_free(img);
+
+        /* Durable: a fresh image reads the holes as zeros without a record, and the rest from the cache. */
+        img = open_image(f, 64 * CS);
+        memset(&f->stats, 0, sizeof(f->stats));
+        check_all(img, f->model);
+        assert_int_equal(f->stats.hits[STATS_TIER_ZERO], 3);        /* chunks 3, 4 and 20 */
+        assert_int_equal(f->stats.errors, 0);
+        image_free(img);
+}
+
 static void test_trace_format(void **state) {
         char line[128];
 
@@ -333,6 +401,7 @@ int main(void) {
                 cmocka_unit_test_setup_teardown(test_ram_bound_and_uploads, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_missing_everywhere_is_eio, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_resume_pack, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_punch, setup, teardown),
                 cmocka_unit_test(test_trace_format),
         };
 
