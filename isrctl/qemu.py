@@ -94,6 +94,9 @@ class VMConfig:
     host_forwards: tuple[str, ...] = ()
     #: A virtio-rng device fed from the host's /dev/urandom.
     rng: bool = False
+    #: A virtio-balloon device with free page reporting: the guest reports free memory and QEMU discards it,
+    #: which punches it out of ``memory_file`` (vulpes then stores and fetches nothing for those chunks).
+    balloon: bool = False
     #: UEFI: the firmware's code (read-only flash, e.g. OVMF_CODE_4M.fd) and the VM's own variable store
     #: (writable flash, the parcel's ``nvram``). Neither: legacy BIOS (SeaBIOS, built into QEMU).
     firmware_code: Path | None = None
@@ -149,9 +152,11 @@ class VMConfig:
             args += ["-append", self.cmdline]
         if self.disk is not None:
             # A write refused for lack of room (vulpes's cache is full) pauses the VM, and QEMU retries it
-            # on `cont`; any other error is the guest's to see.
+            # on `cont`; any other error is the guest's to see.  discard=unmap passes the guest's discards
+            # (TRIM) on as holes in the image; it is a property of the host side only (virtio-blk offers
+            # discard to the guest either way), so a state saved without it loads with it.
             drive = (f"file={_qemu_opt(str(self.disk))},format={self.disk_format},if=none,id=disk0,"
-                     f"cache={self.disk_cache},aio={self.disk_aio},werror=enospc,rerror=report")
+                     f"cache={self.disk_cache},aio={self.disk_aio},discard=unmap,werror=enospc,rerror=report")
             if self.disk_readonly:
                 drive += ",readonly=on"
             args += ["-drive", drive, "-device", "virtio-blk-pci,drive=disk0"]
@@ -166,6 +171,8 @@ class VMConfig:
             args += ["-netdev", netdev, "-device", "virtio-net-pci,netdev=net0"]
         if self.rng:
             args += ["-object", "rng-random,id=rng0,filename=/dev/urandom", "-device", "virtio-rng-pci,rng=rng0"]
+        if self.balloon:
+            args += ["-device", "virtio-balloon-pci,id=balloon0,free-page-reporting=on"]
         if self.reset_exits:
             args += ["-action", "reboot=shutdown"]
         if incoming:

@@ -542,6 +542,7 @@ class Session:
                         machine=vm.machine, cpu=vm.cpu, memory_mib=vm.ram_mib, smp=vm.smp, accel=accel,
                         memory_file=self.vulpes.guest_memory, vnc=vnc, user_net=vm.devices.get("net") == "user",
                         host_forwards=tuple(str(f) for f in self.forwards), rng=vm.devices.get("rng") == "virtio",
+                        balloon=vm.devices.get("balloon") == "virtio",
                         firmware_code=firmware.ovmf_file(firmware.CODE) if self._nvram else None,
                         firmware_vars=self._nvram,
                         # Without the boot files (a resume) a reset could not boot again: it ends QEMU, and

@@ -9,6 +9,9 @@ disk       virtio-blk          the disk image on a virtio block device
 net        user, none          QEMU's user-mode network on a virtio-net NIC (the guest is 10.0.2.15,
                                the host 10.0.2.2), or no NIC
 rng        virtio, none        a virtio-rng device fed from the host's /dev/urandom, or none
+balloon    virtio, none        a virtio-balloon device with free page reporting: the guest reports free
+                               memory, QEMU punches it out of the memory image, and those chunks are then
+                               neither stored at a checkin nor fetched at a resume; or none
 display    vnc, none           a VGA card shown over VNC, or no display
 forward    port forwards       host ports that reach the guest through the user-mode network,
                                space separated, each ``PROTO:HOSTADDR:HOSTPORT-GUESTADDR:GUESTPORT``
@@ -17,7 +20,7 @@ forward    port forwards       host ports that reach the guest through the user-
 A forward is written ``[tcp:|udp:][HOSTADDR:]HOSTPORT-[GUESTADDR:]GUESTPORT`` (``tcp:2222-:22``); the host
 address defaults to 127.0.0.1 (this PC only: ``0.0.0.0`` opens the port to the network) and the guest address
 to the guest's own. It is stored in the canonical form QEMU's ``hostfwd`` takes, ``tcp:127.0.0.1:2222-:22``.
-The NIC and the rng device are part of the saved device state; the forwards are not (a suspended VM may get
+The NIC, the rng and the balloon device are part of the saved device state; the forwards are not (a suspended VM may get
 other forwards, but not another NIC).
 
 Both the client (to start QEMU) and the server's admin tool (to check what it stores) read devices here.
@@ -36,11 +39,13 @@ MODELS: dict[str, tuple[str, ...]] = {
     "disk": ("virtio-blk",),
     "net": ("user", "none"),
     "rng": ("virtio", "none"),
+    "balloon": ("virtio", "none"),
     "display": ("vnc", "none"),
 }
-#: The devices of a new parcel: user-mode networking and a virtio rng. A manifest without ``net`` or ``rng``
-#: has neither (parcels made before they existed keep the virtual hardware their saved state was made on).
-DEFAULT = {"disk": "virtio-blk", "net": "user", "rng": "virtio", "display": "vnc"}
+#: The devices of a new parcel: user-mode networking, a virtio rng and the free-page-reporting balloon. A
+#: manifest without ``net``, ``rng`` or ``balloon`` has none of them (parcels made before they existed keep
+#: the virtual hardware their saved state was made on).
+DEFAULT = {"disk": "virtio-blk", "net": "user", "rng": "virtio", "balloon": "virtio", "display": "vnc"}
 #: The role holding the port forwards.
 FORWARD = "forward"
 #: The roles that are part of the virtual hardware a saved state needs (all but the forwards).

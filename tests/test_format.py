@@ -661,7 +661,8 @@ def test_create_with_short_last_chunk_boot_files_and_shared_secret(tmp_path: Pat
     assert keys.convergence_secret == SECRET
     m = parcel.open_version(store, first, 1, keys).manifest
     assert m.vm.boot == BootConfig(kernel="kernel", initrd="initrd", cmdline="console=ttyS0")
-    assert m.vm.smp == 2 and m.vm.devices == {"disk": "virtio-blk", "net": "user", "rng": "virtio", "display": "vnc"}
+    assert m.vm.smp == 2 and m.vm.devices == {"disk": "virtio-blk", "net": "user", "rng": "virtio", "balloon": "virtio",
+                                             "display": "vnc"}
     assert parcel.read_blob(store, first, m, "kernel", keys) == kernel.read_bytes()
     assert parcel.read_blob(store, first, m, "initrd", keys) == initrd.read_bytes()
     out = tmp_path / "out.raw"

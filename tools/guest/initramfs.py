@@ -19,9 +19,10 @@ log = logging.getLogger(__name__)
 
 #: The modules the guest needs, by name; their dependencies are added in front automatically.
 #: virtio_pci finds the devices, virtio_blk drives the disk, virtio_net the NIC of QEMU's user-mode network and
-#: virtio_rng its random number generator (when the VM has them); button and evdev turn the ACPI power button
+#: virtio_rng its random number generator, virtio_balloon the balloon that reports free pages to QEMU (so that
+#: their memory chunks become holes; when the VM has these devices); button and evdev turn the ACPI power button
 #: into an input event that busybox's acpid answers with ``isr-poweroff``.
-WANTED_MODULES = ("virtio_pci", "virtio_blk", "virtio_net", "virtio_rng", "button", "evdev")
+WANTED_MODULES = ("virtio_pci", "virtio_blk", "virtio_net", "virtio_rng", "virtio_balloon", "button", "evdev")
 
 #: Files from the package's files/ directory and where they go in the initramfs.
 GUEST_FILES = {"init": "init", "isr-agent": "bin/isr-agent", "isr-poweroff": "bin/isr-poweroff",
