@@ -15,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_until
+from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
+from tests.isr_fixtures import (IsrEnv, Parcel, Site, check_continues, isr_env,  # noqa: F401  (isr_env: fixture)
+                                make_changes, sites)
 from tests.vulpes_fixtures import CHUNK_SIZE, IsrServer, Vulpes, chunk_path, make_state, read_all
 from tests.vulpes_fixtures import isr_server, vulpes_binary  # noqa: F401  (pytest fixtures)
 
@@ -79,3 +83,49 @@ def test_punched_chunks_read_zeros_unfetched_and_lose_their_records(vulpes_binar
         assert read_all(v.path("disk")) == disk_model
         assert read_all(v.path("memory")) == memory_model
         assert v.status()["fetch"]["fetches"] == 0
+
+
+def memory_records(site: Site, parcel: Parcel) -> int:
+    """The memory image's keyring records at ``site``, once every page the guest wrote has reached vulpes: an
+    fsync of the file QEMU maps writes its dirty pages back and has vulpes flush them."""
+    memory = site.runtime / f"isr-{os.getuid()}" / parcel.id[:8] / "mnt-ram" / "memory"
+    fd = os.open(memory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return int(site.stat(parcel)["session_status"]["vulpes"]["images"]["memory"]["records"])
+
+
+@pytest.mark.timeout(900)
+def test_freed_guest_memory_becomes_holes_and_resumes_intact(isr_env: IsrEnv, tmp_path: Path) -> None:
+    """A guest fills a tmpfs and empties it again: the balloon reports the free memory, QEMU punches it out of
+    the memory image and the memory image loses those chunks' records (so a checkin stores none of them).
+    The parcel then resumes at another site with the guest's memory intact (a tmpfs file kept in RAM, the
+    RAM token, the counter)."""
+    parcel = isr_env.make_parcel()
+    with sites(isr_env, tmp_path, ["A", "B"]) as (a, b):
+        a.resume(parcel, "--policy", "demand")
+        with a.console(parcel) as console:
+            console.wait_ready(90)
+            kept = console.check("mkdir -p /mnt/t && mount -t tmpfs -o size=100m tmpfs /mnt/t && "
+                                 "dd if=/dev/urandom of=/mnt/t/kept bs=1M count=4 2>/dev/null && "
+                                 "dd if=/dev/urandom of=/mnt/t/freed bs=1M count=64 2>/dev/null && "
+                                 "md5sum /mnt/t/kept", timeout=120).split()[0]
+            filled = memory_records(a, parcel)
+            assert filled >= 64 * (1 << 20) // CHUNK_SIZE, filled
+            console.check("rm /mnt/t/freed && echo 3 > /proc/sys/vm/drop_caches")
+            # Free page reporting waits 2 s and reports 2 MiB blocks: most of the 64 MiB (512 chunks) goes.
+            freed = wait_until(lambda: (r := memory_records(a, parcel)) <= filled - 256 and r, 300,
+                               f"the memory image to lose half the freed chunks' records (of {filled})", interval=1)
+            print(f"memory image records: {filled} with the tmpfs full, {freed} after it was emptied")
+            marks = make_changes(console, "holes", megabytes=1)
+        a.isr("suspend", parcel.name)
+        a.wait_session_end(parcel)
+
+        b.resume(parcel, "--policy", "demand")
+        with b.console(parcel) as console:
+            check_continues(console, marks)
+            assert console.check("md5sum /mnt/t/kept").split()[0] == kept, "the tmpfs file kept in RAM changed"
+        b.isr("poweroff", parcel.name, "--no-checkin")
+        b.wait_session_end(parcel)
