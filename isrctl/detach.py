@@ -9,6 +9,7 @@ in the foreground, turning Ctrl-C, SIGTERM and SIGHUP into a suspend request (`c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -17,12 +18,14 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from isrprogress import JsonReporter, Replayer, Reporter, TerminalReporter
 
 from . import keys as keymod
+from . import policy as policymod
 from .control import Request, request
 from .errors import IsrError, LockBroken, LockRefused, SessionError
 from .localstate import DAMAGED, ParcelState
@@ -30,9 +33,32 @@ from .localstate import DAMAGED, ParcelState
 if TYPE_CHECKING:  # the session's modules are imported by the session's process alone (`isr suspend` waits here)
     from parcels.parcel import ParcelKeys
 
-    from .session import SessionOptions
-
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class SessionOptions:
+    """Everything a session needs besides the keys (JSON-serializable, for a detached session): what `isr
+    resume` hands the session's process, here so that `isr resume` need not import the session itself."""
+
+    parcel: str                 # UUID
+    name: str
+    policy: str = policymod.DEFAULT
+    writeback: bool = False
+    writeback_rate: int = policymod.DEFAULT_WRITEBACK_RATE
+    disconnected: bool = False
+    vnc: str = "auto"
+    accel: str = "tcg"
+    lookaside: list[str] = field(default_factory=list)
+    #: Check in when the guest powers itself off (a suspend or poweroff request says for itself).
+    checkin_on_poweroff: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SessionOptions:
+        return cls(**data)
 
 
 def wait_for_exit(pid: int, timeout: float = 120.0) -> bool:
@@ -221,6 +247,8 @@ def _detached_main() -> int:
 
     reporter = JsonReporter(write)
     try:
+        # Both from the session's module: run as ``python -m isrctl.detach`` this module is ``__main__``, and
+        # the session's options are `isrctl.detach.SessionOptions`, a second copy of this one's.
         from .session import Session, SessionOptions
 
         request_data = json.loads(sys.stdin.readline())

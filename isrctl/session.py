@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -48,7 +47,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +71,7 @@ from .checkin import stage as stage_blobs
 from .checkout import Client, boot_blobs, ensure_checkout, version_blobs
 from .console import CONSOLE_SOCKET, ConsoleRelay
 from .control import CONTROL_SOCKET, POWEROFF_WAIT, ControlServer, Request
+from .detach import SessionOptions
 from .errors import IsrError, LockBroken, SessionError, StateError, VMError, VMTimeoutError, VulpesFailure
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, LocalChange, ParcelState, write_file
 from .qemu import VM, VMConfig
@@ -97,30 +96,6 @@ class Refused(SessionError):
 
 class SuspendAborted(Refused):
     """A suspend failed before the state was saved; the VM and the session keep running."""
-
-
-@dataclass
-class SessionOptions:
-    """Everything a session needs besides the keys (JSON-serializable, for a detached session)."""
-
-    parcel: str                 # UUID
-    name: str
-    policy: str = policymod.DEFAULT
-    writeback: bool = False
-    writeback_rate: int = policymod.DEFAULT_WRITEBACK_RATE
-    disconnected: bool = False
-    vnc: str = "auto"
-    accel: str = "tcg"
-    lookaside: list[str] = field(default_factory=list)
-    #: Check in when the guest powers itself off (a suspend or poweroff request says for itself).
-    checkin_on_poweroff: bool = True
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SessionOptions:
-        return cls(**data)
 
 
 class Session:

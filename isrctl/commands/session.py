@@ -36,7 +36,6 @@ def running_session(ref: str | None) -> ParcelState | None:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from .. import mount as mountmod
-    from .. import session as sessionmod
     from ..checkout import Client
 
     reporter = common.make_reporter(args)
@@ -68,7 +67,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
             parcel_keys = client.unlock(parcel["id"], common.parcel_credential(args, name), state)
     cfg = configmod.load()
     first = state.checkout() is None
-    options = sessionmod.SessionOptions(
+    options = detach.SessionOptions(
         parcel=state.parcel, name=name, policy=args.policy, writeback=args.writeback,
         writeback_rate=policymod.parse_rate(args.writeback_rate), disconnected=args.disconnected,
         vnc=args.vnc, accel=args.accel or cfg.accel, lookaside=[str(Path(p).absolute()) for p in args.lookaside],
