@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 from isrprogress import NullReporter, Reporter
 from parcels import crypto, firmware, resumepack, seal
-from parcels.chunk import chunk_count
 from parcels.keyring import HEADER_SIZE, RECORD_SIZE, decode_stream
 from parcels.manifest import IMAGES, BlobInfo, ImageInfo, Manifest, Timestamps, open_manifest, seal_manifest, utc_now
 from parcels.parcel import ParcelKeys
@@ -138,7 +137,8 @@ def new_manifest(base: Manifest, change: LocalChange, streams: dict[str, bytes],
     for image in IMAGES:
         stream = streams[image]
         images[image] = ImageInfo(size=base.images[image].size, keyring_sha256=crypto.sha256(stream),
-                                  keyring_size=len(stream), chunks=(len(stream) - HEADER_SIZE) // RECORD_SIZE)
+                                  keyring_size=len(stream), chunks=(len(stream) - HEADER_SIZE) // RECORD_SIZE,
+                                  chunk_size=base.images[image].chunk_size)
     blobs = {name: info for name, info in base.blobs.items() if not per_suspend(name)}
     suspended = change.state == SUSPENDED
     vm = base.vm
@@ -155,8 +155,7 @@ def new_manifest(base: Manifest, change: LocalChange, streams: dict[str, bytes],
         blobs[firmware.NVRAM_BLOB] = BlobInfo(kind=seal.KIND_BOOT, sha256=bytes.fromhex(change.nvram["sha256"]),
                                               size=int(change.nvram["size"]))
     now = utc_now()
-    counts = {image: chunk_count(base.chunk_size, base.images[image].size) for image in IMAGES}
-    working_set, problem = workingset.checked(change.working_set, counts)
+    working_set, problem = workingset.checked(change.working_set, base.chunk_counts())
     if problem is not None:
         log.warning("the working set recorded at suspend is left out of version %d: %s", base.version + 1, problem)
     manifest = base.replace(version=base.version + 1, parent=base.version, images=images, blobs=blobs, vm=vm,

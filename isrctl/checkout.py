@@ -177,7 +177,7 @@ class Client:
         for image in IMAGES:
             sealed = self.remote.get_blob(parcel, version, KEYRING_FILES[image])
             records = open_keyring(parcel_keys.parcel_key, sealed, manifest, image)
-            streams[image] = encode_stream(manifest.chunk_size, manifest.images[image].size, records)
+            streams[image] = encode_stream(manifest.image_chunk_size(image), manifest.images[image].size, records)
             if crypto.sha256(streams[image]) != manifest.images[image].keyring_sha256:
                 raise IsrError(f"the {image} keyring of version {version} does not re-encode to its digest")
         devstate = None

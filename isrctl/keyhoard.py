@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from isrprogress import Reporter
-from parcels.chunk import chunk_count
 from parcels.keyring import Keyring
 from parcels.manifest import IMAGES, Manifest, open_keyring, open_manifest
 from parcels.parcel import ParcelKeys
@@ -42,9 +41,7 @@ def hoard_with_key(client: Client, parcel: dict[str, Any], state: ParcelState, p
         manifest = open_manifest(parcel_keys.parcel_key, state.base_manifest_sealed(),
                                  parcel=uuid.UUID(state.parcel), version=checkout.version)
         if change is not None and change.state in (SUSPENDED, POWEROFF):
-            counts = {image: chunk_count(manifest.chunk_size, manifest.images[image].size)
-                      for image in IMAGES}
-            working_set, problem = workingset.checked(change.working_set, counts)
+            working_set, problem = workingset.checked(change.working_set, manifest.chunk_counts())
             if problem is not None and working_set_only:
                 reporter.say(f"warning: the working set recorded here is ignored ({problem})")
         else:
@@ -66,7 +63,7 @@ def hoard_with_key(client: Client, parcel: dict[str, Any], state: ParcelState, p
         reporter.say(f"hoarding {what} of {parcel['name']} version {manifest.version}")
         status = _run(hoard_dir, state, parcel_keys, client, reporter,
                       working_set=working_set if working_set_only else None,
-                      what=(parcel["name"], manifest.version, manifest.chunk_size))
+                      what=(parcel["name"], manifest.version, manifest.largest_chunk_size()))
     finally:
         if hoard_dir != state.dir:
             shutil.rmtree(hoard_dir, ignore_errors=True)
@@ -92,7 +89,7 @@ def fetch_keyrings(client: Client, parcel: str, version: int, parcel_keys: Parce
     for image in IMAGES:
         sealed = client.remote.get_blob(parcel, version, KEYRING_FILES[image])
         records = open_keyring(parcel_keys.parcel_key, sealed, manifest, image)
-        with Keyring.create(directory / f"keyring.{image}", manifest.chunk_size,
+        with Keyring.create(directory / f"keyring.{image}", manifest.image_chunk_size(image),
                             manifest.images[image].size) as keyring:
             keyring.put_many(records)
     return manifest
@@ -101,7 +98,7 @@ def fetch_keyrings(client: Client, parcel: str, version: int, parcel_keys: Parce
 def _run(state_dir: Path, state: ParcelState, parcel_keys: ParcelKeys, client: Client, reporter: Reporter, *,
          working_set: dict[str, list[int]] | None, what: tuple[str, int, int]) -> dict[str, Any]:
     """Hoard with a vulpes on the keyrings in ``state_dir``; ``what`` is the parcel's name, the version and its
-    chunk size. Warns first if the cache has no room for it all; raises CacheFull if it ran out of room."""
+    largest chunk size. Warns first if the cache has no room for it all; raises CacheFull if it ran out of room."""
     runtime = paths.parcel_runtime_dir(state.parcel)
     paths.chunk_cache_dir().mkdir(parents=True, exist_ok=True)
     daemon = Vulpes(mountpoint=runtime / "hoard-mnt", state_dir=state_dir, cache_dir=paths.chunk_cache_dir(),

@@ -182,7 +182,7 @@ class FullCache:
             self.since = None
             return True
         status = vulpes.status()
-        chunk = int(status["images"]["disk"]["chunk_size"])
+        chunk = max(int(image["chunk_size"]) for image in status["images"].values())
         if int(status["cache"]["room"]) < chunks * chunk:
             return False
         status = vulpes.reclaim()

@@ -52,7 +52,6 @@ from typing import Any
 
 from isrprogress import Reporter, human_bytes
 from parcels import devices, firmware, seal
-from parcels.chunk import chunk_count
 from parcels.durable import fsync_path
 from parcels.errors import ParcelError
 from parcels.keyring import Keyring, KeyringRecord, encode_stream
@@ -338,8 +337,7 @@ class Session:
         recorded: object = manifest.working_set
         if change is not None and change.state in (SUSPENDED, POWEROFF):
             recorded = change.working_set
-        counts = {image: chunk_count(manifest.chunk_size, manifest.images[image].size) for image in IMAGES}
-        working_set, problem = workingset.checked(recorded, counts)
+        working_set, problem = workingset.checked(recorded, manifest.chunk_counts())
         if problem is not None:
             log.warning("recorded working set ignored: %s", problem)
             self.reporter.say(f"  warning: the recorded working set is ignored ({problem}); chunks are fetched "
@@ -383,17 +381,16 @@ class Session:
         if pol.hoard_all_first or pol.expects_hoard == "all":
             wanted = records["disk"] + records["memory"]
         else:
-            counts = {image: chunk_count(manifest.chunk_size, manifest.images[image].size) for image in IMAGES}
             recorded: object = manifest.working_set
             if change is not None and change.state in (SUSPENDED, POWEROFF):
                 recorded = change.working_set
-            ws, _ = workingset.checked(recorded, counts)
+            ws, _ = workingset.checked(recorded, manifest.chunk_counts())
             wanted = workingset.select(records["memory"], ws["memory"])
             wanted += records["disk"] if pol.stream_when_idle else workingset.select(records["disk"], ws["disk"])
         usage = CacheUsage.from_status(self.vulpes.status()["cache"])
         missing, kept = room.missing_tags(paths.chunk_cache_dir(), wanted)
         need = room.expected_bytes(self.client.remote if self.client else None, self.options.parcel,
-                                   self.base_version, missing, manifest.chunk_size, usage.room - kept)
+                                   self.base_version, missing, manifest.largest_chunk_size(), usage.room - kept)
         warning = room.shortfall(usage, need, f"resuming {self.options.name} with policy {pol.name}",
                                  "the VM pauses when the cache is full", kept=kept)
         if warning:
@@ -677,7 +674,8 @@ class Session:
             try:
                 changes = compare_changes(self.state)
                 dirty = sum(changes.changed.values())
-                return dict(report(self.options.parcel, nonce, dirty, dirty * self.manifest.chunk_size))
+                dirty_bytes = sum(n * self.manifest.image_chunk_size(image) for image, n in changes.changed.items())
+                return dict(report(self.options.parcel, nonce, dirty, dirty_bytes))
             except (IsrError, ParcelError) as exc:
                 if isinstance(exc, RemoteError) and exc.code in ("lock_lost",):
                     raise
@@ -1019,10 +1017,9 @@ class Session:
 
     def _trace_working_set(self) -> dict[str, list[int]]:
         assert self.manifest is not None
-        counts = {image: chunk_count(self.manifest.chunk_size, self.manifest.images[image].size) for image in IMAGES}
         if self.trace_path is None:
             return {image: [] for image in IMAGES}
-        return workingset.from_trace(self.trace_path, counts)
+        return workingset.from_trace(self.trace_path, self.manifest.chunk_counts())
 
     def _vulpes_upload(self, reporter: Reporter) -> None:
         """Let vulpes (libcurl, parallel) upload the new chunk objects, with a progress bar by chunk count."""

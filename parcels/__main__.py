@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from parcels import crypto, envelope, parcel, secretsource
-from parcels.chunk import DEFAULT_CHUNK_SIZE
+from parcels.chunk import DEFAULT_CHUNK_SIZE, DEFAULT_MEMORY_CHUNK_SIZE
 from parcels.errors import ParcelError
 from parcels.store import DirStore
 
@@ -136,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--cpu", default=parcel.DEFAULT_CPU, help="QEMU CPU model (default: %(default)s)")
     create.add_argument("--smp", type=_positive, default=parcel.DEFAULT_SMP, help="vCPUs (default: %(default)s)")
     create.add_argument("--chunk-size", type=_positive, default=DEFAULT_CHUNK_SIZE, metavar="BYTES",
-                        help="power of two from 4096 to 4194304 (default: %(default)s)")
+                        help="the disk's chunks: a power of two from 4096 to 4194304 (default: %(default)s)")
+    create.add_argument("--memory-chunk-size", type=_positive, default=DEFAULT_MEMORY_CHUNK_SIZE, metavar="BYTES",
+                        help="the memory image's chunks, the same rule (default: %(default)s)")
     create.add_argument("--convergence-secret-file", type=Path, metavar="FILE",
                         help="32-byte file with your convergence secret, shared by your parcels so they "
                              "dedup; made with random bytes if it does not exist (default: a new secret)")
@@ -236,8 +238,8 @@ def _cmd_create(args: argparse.Namespace, out: TextIO) -> int:
         new = parcel.create_parcel(
             DirStore(args.store), name=args.name, disk=args.disk, ram_mib=args.ram_mib,
             vm={"machine": args.machine, "cpu": args.cpu, "smp": args.smp}, boot=boot,
-            convergence_secret=secret, chunk_size=args.chunk_size, progress=progress, log2n=args.scrypt_log2n,
-            **creds)
+            convergence_secret=secret, chunk_size=args.chunk_size, memory_chunk_size=args.memory_chunk_size,
+            progress=progress, log2n=args.scrypt_log2n, **creds)
     finally:
         progress.finish()
     print(new, file=out)
@@ -285,7 +287,9 @@ def _cmd_info(args: argparse.Namespace, out: TextIO) -> int:
         state = f"suspended {m.timestamps.suspended}" if m.suspended else "powered off"
         print(f"{m.parcel}  {m.name!r}  version {m.version}  created {m.timestamps.created}  {state}", file=out)
         print(f"  disk {_mib(disk.size)}, {disk.chunks} chunks stored; memory {_mib(memory.size)}, "
-              f"{memory.chunks} chunks stored; chunk size {m.chunk_size}", file=out)
+              f"{memory.chunks} chunks stored; chunk size {m.chunk_size}"
+              + (f" (memory {m.image_chunk_size('memory')})" if m.image_chunk_size("memory") != m.chunk_size else ""),
+              file=out)
         print(f"  vm: {m.vm.machine}, cpu {m.vm.cpu}, {m.vm.smp} vCPU, {m.vm.ram_mib} MiB"
               + (f", kernel boot ({m.vm.boot.cmdline!r})" if m.vm.boot else ""), file=out)
         if m.blobs:

@@ -21,6 +21,10 @@ FLAG_COMPRESSED = 0x01
 MIN_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 4194304
 DEFAULT_CHUNK_SIZE = 131072
+#: A new parcel's memory image has chunks of the disk's size: a resumed guest faults on single pages, but
+#: near each other, and each miss is a round trip; 32 KiB chunks took 3.4 times the misses of 128 KiB ones
+#: and the guest answered later (BENCHMARKS.md, "a chunk size for the memory image").
+DEFAULT_MEMORY_CHUNK_SIZE = DEFAULT_CHUNK_SIZE
 HEADER = struct.Struct(">4sBBHI")
 HEADER_SIZE = HEADER.size
 OVERHEAD = HEADER_SIZE + crypto.GCM_TAG_SIZE

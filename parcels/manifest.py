@@ -46,12 +46,14 @@ _MAX_INT = (1 << 63) - 1
 
 @dataclass
 class ImageInfo:
-    """One image of a version: its size and the digest and size of its keyring stream."""
+    """One image of a version: its size, the digest and size of its keyring stream, and its own chunk size
+    (None: the manifest's ``chunk_size``; use `Manifest.image_chunk_size`)."""
 
     size: int
     keyring_sha256: bytes
     keyring_size: int
     chunks: int
+    chunk_size: int | None = None
 
 
 @dataclass
@@ -113,6 +115,23 @@ class Manifest:
     timestamps: Timestamps
     format: int = FORMAT
 
+    def image_chunk_size(self, image: str) -> int:
+        """The chunk size of `image`: its own if the manifest gives one, else the parcel's ``chunk_size``."""
+        own = self.images[image].chunk_size
+        return self.chunk_size if own is None else own
+
+    def image_chunk_count(self, image: str) -> int:
+        """How many chunks `image` has: ceil(size / its chunk size)."""
+        return chunk_count(self.image_chunk_size(image), self.images[image].size)
+
+    def chunk_counts(self) -> dict[str, int]:
+        """`image_chunk_count` of every image."""
+        return {image: self.image_chunk_count(image) for image in IMAGES}
+
+    def largest_chunk_size(self) -> int:
+        """The largest chunk size of any image: the most one chunk object of this version can hold."""
+        return max(self.image_chunk_size(image) for image in IMAGES)
+
     def to_dict(self) -> dict[str, Any]:
         """The manifest as the JSON object the spec describes."""
         vm: dict[str, Any] = {
@@ -132,9 +151,7 @@ class Manifest:
             "parent": self.parent,
             "created": self.created,
             "chunk_size": self.chunk_size,
-            "images": {name: {"size": info.size, "chunks": info.chunks,
-                              "keyring": {"sha256": info.keyring_sha256.hex(), "size": info.keyring_size}}
-                       for name, info in self.images.items()},
+            "images": {name: _image_dict(info) for name, info in self.images.items()},
             "blobs": {name: {"kind": info.kind, "sha256": info.sha256.hex(), "size": info.size}
                       for name, info in self.blobs.items()},
             "vm": vm,
@@ -198,7 +215,9 @@ class Manifest:
             _check(_is_int(image.size) and 0 <= image.size <= _MAX_INT and image.size % 512 == 0,
                    f"{where}.size must be a multiple of 512")
             _check(len(image.keyring_sha256) == 32, f"{where}.keyring.sha256 must be 32 bytes")
-            _check(_is_int(image.chunks) and 0 <= image.chunks <= chunk_count(self.chunk_size, image.size),
+            _check(image.chunk_size is None or valid_chunk_size(image.chunk_size),
+                   f"invalid {where}.chunk_size {image.chunk_size}")
+            _check(_is_int(image.chunks) and 0 <= image.chunks <= self.image_chunk_count(name),
                    f"{where}.chunks out of range")
             _check(image.keyring_size == KEYRING_HEADER_SIZE + KEYRING_RECORD_SIZE * image.chunks,
                    f"{where}.keyring.size does not match {image.chunks} records")
@@ -236,7 +255,7 @@ class Manifest:
         for name in IMAGES:
             _check(name in self.working_set, f"working_set.{name} is missing")
             indices = self.working_set[name]
-            limit = chunk_count(self.chunk_size, self.images[name].size)
+            limit = self.image_chunk_count(name)
             _check(all(_is_int(i) and 0 <= i < limit for i in indices), f"working_set.{name} index out of range")
             _check(len(set(indices)) == len(indices), f"working_set.{name} lists an index twice")
         _check_time(self.timestamps.created, "timestamps.created")
@@ -246,6 +265,14 @@ class Manifest:
     def replace(self, **changes: Any) -> Manifest:
         """A copy with some fields changed (not validated)."""
         return dataclasses.replace(self, **changes)
+
+
+def _image_dict(info: ImageInfo) -> dict[str, Any]:
+    image: dict[str, Any] = {"size": info.size, "chunks": info.chunks,
+                             "keyring": {"sha256": info.keyring_sha256.hex(), "size": info.keyring_size}}
+    if info.chunk_size is not None:
+        image["chunk_size"] = info.chunk_size
+    return image
 
 
 def utc_now() -> str:
@@ -297,7 +324,7 @@ def open_keyring(parcel_key: bytes, blob: bytes, manifest: Manifest, image: str)
     if len(stream) != info.keyring_size or sha256(stream) != info.keyring_sha256:
         raise IntegrityError(f"{image} keyring does not match the digest in the manifest")
     chunk_size, image_size, records = decode_stream(stream)
-    if chunk_size != manifest.chunk_size or image_size != info.size or len(records) != info.chunks:
+    if chunk_size != manifest.image_chunk_size(image) or image_size != info.size or len(records) != info.chunks:
         raise FormatError(f"{image} keyring disagrees with the manifest about its sizes")
     return records
 
@@ -436,7 +463,8 @@ def _from_object(obj: Any) -> Manifest:
         images[name] = ImageInfo(size=_field(image, "size", int, where),
                                  keyring_sha256=_digest(keyring, where + "keyring."),
                                  keyring_size=_field(keyring, "size", int, where + "keyring."),
-                                 chunks=_field(image, "chunks", int, where))
+                                 chunks=_field(image, "chunks", int, where),
+                                 chunk_size=_field(image, "chunk_size", int, where, optional=True))
 
     blobs = {}
     for name, blob in _field(obj, "blobs", dict, "").items():

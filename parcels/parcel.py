@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from parcels import crypto, envelope, seal
 from parcels import firmware as firmware_files
 from parcels import devices as devices_mod
-from parcels.chunk import DEFAULT_CHUNK_SIZE, chunk_length, decode_chunk, encode_chunk, is_zero, valid_chunk_size
+from parcels.chunk import DEFAULT_CHUNK_SIZE, DEFAULT_MEMORY_CHUNK_SIZE, chunk_length, decode_chunk, encode_chunk, is_zero, valid_chunk_size
 from parcels.errors import FormatError, ImageError, NotFoundError, ParcelError
 from parcels.image import SparseImageWriter, check_disk, image_size, raw_image, read_chunks
 from parcels.keyring import HEADER_SIZE as KEYRING_HEADER_SIZE
@@ -169,7 +169,8 @@ def create_parcel(store: DirStore, *, name: str, disk: str | os.PathLike[str], r
                   convergence_secret: bytes | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                   progress: Progress | None = None, log2n: int = envelope.DEFAULT_LOG2N,
                   tmpdir: str | os.PathLike[str] | None = None, disk_format: str | None = None,
-                  firmware: str = "bios", check_boot: bool = False) -> uuid.UUID:
+                  firmware: str = "bios", check_boot: bool = False,
+                  memory_chunk_size: int = DEFAULT_MEMORY_CHUNK_SIZE) -> uuid.UUID:
     """Create a new parcel whose version 1 holds the disk image `disk` and a powered-off VM.
 
     `disk` is a raw, qcow2, vmdk, vdi or vhdx file (`disk_format`, else as qemu-img identifies it), read
@@ -178,7 +179,7 @@ def create_parcel(store: DirStore, *, name: str, disk: str | os.PathLike[str], r
     the VM boots from the disk through its own bootloader: with `check_boot`, a disk that shows no way to
     do so under `firmware` (`parcels.image.boot_problem`) is refused with ImageError. A UEFI parcel gets
     OVMF's empty variable store as its `firmware.NVRAM_BLOB` blob. The memory image is all zero and
-    `ram_mib` MiB large. `vm` may set machine, cpu, smp, qemu_version and devices (merged into the
+    `ram_mib` MiB large, cut into chunks of `memory_chunk_size` (the disk into `chunk_size`). `vm` may set machine, cpu, smp, qemu_version and devices (merged into the
     defaults). `boot` holds "kernel" and
     optionally "initrd" (file paths, stored as kind-4 blobs of those names) and "cmdline". The parcel is
     protected by exactly one of `passphrase` (scrypt with log2(N) = `log2n`) or `keyfile`. A random
@@ -193,8 +194,9 @@ def create_parcel(store: DirStore, *, name: str, disk: str | os.PathLike[str], r
         raise FormatError(f"a parcel name must be 1 to {MAX_NAME} characters")
     if not isinstance(ram_mib, int) or ram_mib < 1:
         raise FormatError("ram_mib must be a positive integer")
-    if not valid_chunk_size(chunk_size):
-        raise FormatError(f"invalid chunk size {chunk_size}: must be a power of two in 4096..4194304")
+    for what, size in (("chunk size", chunk_size), ("memory chunk size", memory_chunk_size)):
+        if not valid_chunk_size(size):
+            raise FormatError(f"invalid {what} {size}: must be a power of two in 4096..4194304")
     _check_credentials(passphrase, keyfile, log2n)
     secret = crypto.random_bytes(crypto.KEY_SIZE) if convergence_secret is None else bytes(convergence_secret)
     if len(secret) != crypto.KEY_SIZE:
@@ -226,8 +228,10 @@ def create_parcel(store: DirStore, *, name: str, disk: str | os.PathLike[str], r
                         working_set={"disk": [], "memory": []}, timestamps=Timestamps(created=now))
 
     # Check the settings against the manifest rules now, not after the whole disk has been stored.
+    # The memory image's own chunk size is written only where it differs from the parcel's.
+    own_size = {"disk": None, "memory": memory_chunk_size if memory_chunk_size != chunk_size else None}
     placeholder = {image_name: ImageInfo(size=size, keyring_sha256=bytes(32), keyring_size=KEYRING_HEADER_SIZE,
-                                         chunks=0)
+                                         chunks=0, chunk_size=own_size[image_name])
                    for image_name, size in (("disk", 0), ("memory", ram_mib << 20))}
     version_1(placeholder, {blob_name: BlobInfo(kind=seal.KIND_BOOT, sha256=bytes(32), size=0)
                             for blob_name in _BOOT_BLOBS if boot.get(blob_name)}).validate()
@@ -242,12 +246,13 @@ def create_parcel(store: DirStore, *, name: str, disk: str | os.PathLike[str], r
         disk_stream = encode_stream(chunk_size, disk_size, _store_chunks(store, raw, disk_size, chunk_size, keys,
                                                                           progress))
     memory_size = ram_mib << 20
-    memory_stream = encode_stream(chunk_size, memory_size, [])
+    memory_stream = encode_stream(memory_chunk_size, memory_size, [])
     images = {}
     for image_name, size, stream in (("disk", disk_size, disk_stream), ("memory", memory_size, memory_stream)):
         store.put_blob(parcel, 1, KEYRING_FILES[image_name], seal.seal(keys.parcel_key, seal.KIND_KEYRING, stream))
         images[image_name] = ImageInfo(size=size, keyring_sha256=crypto.sha256(stream), keyring_size=len(stream),
-                                       chunks=(len(stream) - KEYRING_HEADER_SIZE) // KEYRING_RECORD_SIZE)
+                                       chunks=(len(stream) - KEYRING_HEADER_SIZE) // KEYRING_RECORD_SIZE,
+                                       chunk_size=own_size[image_name])
     blobs = {}
     for blob_name in _BOOT_BLOBS:
         if boot.get(blob_name):
@@ -287,7 +292,7 @@ def extract_image(store: DirStore, parcel: uuid.UUID, version: int | None, image
     contents = open_version(store, parcel, version, keys)
     manifest = contents.manifest
     size = manifest.images[image].size
-    chunk_size = manifest.chunk_size
+    chunk_size = manifest.image_chunk_size(image)
     with SparseImageWriter(out, size) as writer:
         for record in contents.records(image):
             length = chunk_length(record.idx, chunk_size, size)
@@ -322,7 +327,8 @@ def verify_version(store: DirStore, parcel: uuid.UUID, version: int, keys: Parce
         size = manifest.images[name].size
         for record in contents.records(name):
             try:
-                plaintext = read_chunk(store, keys, record, chunk_length(record.idx, manifest.chunk_size, size))
+                plaintext = read_chunk(store, keys, record,
+                                       chunk_length(record.idx, manifest.image_chunk_size(name), size))
                 if is_zero(plaintext):
                     problems.append(f"{name} chunk {record.idx}: all zero but stored (writers must omit it)")
             except ParcelError as exc:

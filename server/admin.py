@@ -21,6 +21,7 @@ from typing import Any
 from isrprogress import Reporter, TerminalReporter, human_bytes as size
 from parcels import devices
 from parcels import qemuimg
+from parcels.chunk import DEFAULT_CHUNK_SIZE, DEFAULT_MEMORY_CHUNK_SIZE
 from parcels.errors import ParcelError
 from parcels.manifest import FIRMWARES
 from parcels.secretsource import read_key_file, read_secret
@@ -188,7 +189,8 @@ class Admin:
             boot = {"kernel": args.kernel, "initrd": args.initrd, "cmdline": args.cmdline or ""}
         parcel = ops.create_parcel(self.meta, self.store, owner=args.owner, name=args.name, disk=args.disk,
                                    ram_mib=args.ram, passphrase=passphrase, keyfile=keyfile, vm=vm or None,
-                                   boot=boot or None, chunk_size=args.chunk_size, log2n=args.scrypt_log2n,
+                                   boot=boot or None, chunk_size=args.chunk_size,
+                                   memory_chunk_size=args.memory_chunk_size, log2n=args.scrypt_log2n,
                                    reporter=self.reporter, disk_format=args.format, firmware=args.firmware,
                                    force=args.force)
         self.out(self._parcel_json(parcel), lambda: f"created parcel {parcel} ({args.owner}/{args.name}), version 1")
@@ -468,7 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel", help="kernel for direct boot")
     p.add_argument("--initrd", help="initrd for direct boot")
     p.add_argument("--cmdline", help="kernel command line")
-    p.add_argument("--chunk-size", type=int, help="chunk size in bytes (default 131072)")
+    p.add_argument("--chunk-size", type=int, help=f"the disk's chunk size in bytes (default {DEFAULT_CHUNK_SIZE})")
+    p.add_argument("--memory-chunk-size", type=int,
+                   help=f"the memory image's chunk size in bytes (default {DEFAULT_MEMORY_CHUNK_SIZE})")
     p.add_argument("--scrypt-log2n", type=int, help="scrypt cost of the key envelope (default 15)")
     credentials(p)
     p = cmd(parcels, "list", "parcel_list", "list parcels")

@@ -125,7 +125,7 @@ def commit_local_version(meta: MetaStore, store: ObjectStore, parcel: str, owner
 def create_parcel(meta: MetaStore, store: ObjectStore, *, owner: str, name: str, disk: str | os.PathLike[str],
                   ram_mib: int, passphrase: str | None = None, keyfile: bytes | None = None,
                   vm: dict[str, Any] | None = None, boot: dict[str, Any] | None = None,
-                  chunk_size: int | None = None, log2n: int | None = None,
+                  chunk_size: int | None = None, memory_chunk_size: int | None = None, log2n: int | None = None,
                   reporter: Reporter | None = None, tmpdir: str | None = None, disk_format: str | None = None,
                   firmware: str = "bios", force: bool = False) -> str:
     """Create a parcel for `owner` from a raw, qcow2, vmdk, vdi or vhdx disk image, encrypted under the
@@ -157,6 +157,8 @@ def create_parcel(meta: MetaStore, store: ObjectStore, *, owner: str, name: str,
         kwargs: dict[str, Any] = {}
         if chunk_size is not None:
             kwargs["chunk_size"] = chunk_size
+        if memory_chunk_size is not None:
+            kwargs["memory_chunk_size"] = memory_chunk_size
         if log2n is not None:
             kwargs["log2n"] = log2n
         with reporter.progress(f"encrypting {Path(disk).name}", 0) as bar:

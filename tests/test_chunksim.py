@@ -215,7 +215,14 @@ def test_written_traces_read_back_identically(tmp_path: Path) -> None:
     ("# vulpes-trace 1 chunk_size=4096\n1.0 disk 7 x server\n", 2, "op 'x' is neither r nor w"),
     ("# vulpes-trace 1 chunk_size=4096\n1.0 disk 7 r\n", 2, "expected 5 space-separated fields"),
     ("# vulpes-trace 1 chunk_size=4096\n1.0 disk 7 r elsewhere\n", 2, "source 'elsewhere'"),
+    ("# vulpes-trace 4 chunk_size=4096\n", 1, "unsupported vulpes trace header"),
     ("# vulpes-trace 3 chunk_size=4096\n", 1, "unsupported vulpes trace header"),
+    ("# vulpes-trace 2 disk.chunk_size=4096\n", 1, "unsupported vulpes trace header"),
+    ("# vulpes-trace 3 disk.chunk_size=big\n", 1, "disk.chunk_size 'big'"),
+    ("# vulpes-trace 3 disk.chunk_size=0\n", 1, "must be positive"),
+    ("# vulpes-trace 3 disk.chunk_size=4096\n1.0 memory 0 r ram 0 4096\n", 2, "image 'memory' has no chunk size"),
+    ("# vulpes-trace 3 disk.chunk_size=131072 memory.chunk_size=4096\n1.0 memory 0 r ram 4096 4096\n", 2,
+     "not inside chunk 0"),
     ("# vulpes-trace 2 chunk_size=4096\n1.0 disk 7 r ram\n", 2, "expected 7 space-separated fields"),
     ("# vulpes-trace 2 chunk_size=4096\n1.0 disk 7 r ram 4096 4096\n", 2, "not inside chunk 7"),
     ("# vulpes-trace 2 chunk_size=4096\n1.0 disk 1 r ram 4096 0\n", 2, "not inside chunk 1"),
@@ -254,10 +261,15 @@ def test_vulpes_traces_give_chunk_offsets_relative_times_and_several_runs(tmp_pa
                               Access(1.0, 262144, 131072, "R", "disk", "cache")]
 
 
-def test_vulpes_traces_of_version_2_give_the_bytes_touched(tmp_path: Path) -> None:
+@pytest.mark.parametrize("header, memory_index", [
+    ("# vulpes-trace 2 chunk_size=131072", 3),
+    # Version 3: each image's chunk size (the memory image's 16 KiB: byte 397312 is in its chunk 24).
+    ("# vulpes-trace 3 disk.chunk_size=131072 memory.chunk_size=16384", 24)])
+def test_vulpes_traces_of_version_2_and_3_give_the_bytes_touched(tmp_path: Path, header: str,
+                                                                 memory_index: int) -> None:
     path = write_text(tmp_path / "v2.trace",
-                      "# vulpes-trace 2 chunk_size=131072\n"
-                      "1700000000.000000 memory 3 r server 397312 4096\n"
+                      f"{header}\n"
+                      f"1700000000.000000 memory {memory_index} r server 397312 4096\n"
                       "1700000000.500000 disk 0 w new 0 131072\n")
     trace = read_trace(path)
     assert trace.format == "vulpes" and trace.granularity == 1

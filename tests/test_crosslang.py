@@ -303,7 +303,9 @@ def test_keyring_bad_streams_refused_by_c(codec: Path, tmp_path: Path) -> None:
 
 def make_manifest(parcel: uuid.UUID, version: int) -> Manifest:
     disk_stream = encode_stream(131072, 1 << 28, make_records(secrets.token_bytes(32), [0, 7, 2047])[0])
-    memory_stream = encode_stream(131072, 256 << 20, [])
+    # The memory image has chunks of its own size (a working-set index only that size allows shows both readers
+    # apply it).
+    memory_stream = encode_stream(32768, 256 << 20, [])
     devstate = secrets.token_bytes(1234)
     return Manifest(
         parcel=parcel, name="cross-language", version=version, parent=version - 1 if version > 1 else None,
@@ -311,11 +313,11 @@ def make_manifest(parcel: uuid.UUID, version: int) -> Manifest:
         images={"disk": ImageInfo(size=1 << 28, keyring_sha256=hashlib.sha256(disk_stream).digest(),
                                   keyring_size=len(disk_stream), chunks=3),
                 "memory": ImageInfo(size=256 << 20, keyring_sha256=hashlib.sha256(memory_stream).digest(),
-                                    keyring_size=len(memory_stream), chunks=0)},
+                                    keyring_size=len(memory_stream), chunks=0, chunk_size=32768)},
         blobs={"devstate": BlobInfo(kind=3, sha256=hashlib.sha256(devstate).digest(), size=len(devstate))},
         vm=VMConfig(machine="pc-q35-7.2", cpu="qemu64", ram_mib=256, smp=1,
                     devices={"disk": "virtio-blk", "net": "none", "display": "vnc"}, qemu_version="7.2.19"),
-        suspended=True, working_set={"disk": [0, 7], "memory": []},
+        suspended=True, working_set={"disk": [0, 7], "memory": [8191]},
         timestamps=Timestamps(created="2026-11-22T04:40:32Z", suspended="2026-11-22T05:02:11Z"))
 
 
@@ -328,10 +330,10 @@ def test_manifest_python_to_c(codec: Path, tmp_path: Path) -> None:
     assert out == {
         "format": "1", "parcel": str(parcel), "version": "3", "name": "cross-language", "chunk_size": "131072",
         "disk_size": str(disk.size), "disk_keyring_sha256": disk.keyring_sha256.hex(),
-        "disk_keyring_size": str(disk.keyring_size), "disk_chunks": "3",
+        "disk_keyring_size": str(disk.keyring_size), "disk_chunks": "3", "disk_chunk_size": "131072",
         "memory_size": str(memory.size), "memory_keyring_sha256": memory.keyring_sha256.hex(),
-        "memory_keyring_size": "28", "memory_chunks": "0",
-        "disk_working_set": "0,7", "memory_working_set": "",
+        "memory_keyring_size": "28", "memory_chunks": "0", "memory_chunk_size": "32768",
+        "disk_working_set": "0,7", "memory_working_set": "8191",
         "machine": "pc-q35-7.2", "smp": "1", "qemu_version": "7.2.19", "ram_mib": "256", "suspended": "true",
         "devstate_sha256": manifest.blobs["devstate"].sha256.hex(), "devstate_size": "1234",
     }
@@ -365,6 +367,32 @@ def test_manifest_firmware_same_in_both(codec: Path, tmp_path: Path, firmware: o
     if accepted:
         assert open_manifest(pk, blob, parcel=parcel, version=1).vm.firmware == (firmware or "bios")
         run_codec(codec, "manifest-open", pk.hex(), parcel, 1, tmp_path / "manifest")
+    else:
+        with pytest.raises(FormatError):
+            open_manifest(pk, blob, parcel=parcel, version=1)
+        codec_refuses(codec, "manifest-open", pk.hex(), parcel, 1, tmp_path / "manifest")
+
+
+@pytest.mark.parametrize("chunk_size, memory_index, accepted", [
+    (32768, 8191, True), (None, 2047, True), (None, 8191, False), (131072, 2048, False), (32768, 8192, False),
+    (3000, 0, False), (8 << 20, 0, False), ("32768", 0, False)])
+def test_manifest_image_chunk_size_same_in_both(codec: Path, tmp_path: Path, chunk_size: object, memory_index: int,
+                                                accepted: bool) -> None:
+    """images.memory.chunk_size (doc/parcel-format.md): a valid chunk size of the memory image's own, absent
+    or null meaning the parcel's; both readers take the memory image's chunk count from it (a working-set
+    index is checked against it) and refuse anything else."""
+    parcel, pk = uuid.uuid4(), secrets.token_bytes(32)
+    obj = json.loads(make_manifest(parcel, 1).to_json())
+    obj["images"]["memory"]["chunk_size"] = chunk_size
+    obj["working_set"]["memory"] = [memory_index]
+    (tmp_path / "json").write_text(json.dumps(obj))
+    run_codec(codec, "seal", pk.hex(), 1, tmp_path / "json", tmp_path / "manifest")
+    blob = (tmp_path / "manifest").read_bytes()
+    if accepted:
+        opened = open_manifest(pk, blob, parcel=parcel, version=1)
+        assert opened.image_chunk_size("memory") == (chunk_size or 131072)
+        out = run_codec(codec, "manifest-open", pk.hex(), parcel, 1, tmp_path / "manifest")
+        assert out["memory_chunk_size"] == str(chunk_size or 131072) and out["disk_chunk_size"] == "131072"
     else:
         with pytest.raises(FormatError):
             open_manifest(pk, blob, parcel=parcel, version=1)

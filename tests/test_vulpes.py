@@ -792,7 +792,9 @@ def test_memory_mount_reads_one_page_per_fault(vulpes_binary: Path, isr_server: 
 
 def test_trace_records_every_access(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
     content = random_image(2 * MIB, seed=101, data_fraction=1.0)
-    state = make_state(tmp_path / "state", content, 1 * MIB)
+    # The memory image has chunks of its own size, and its first 64 KiB are zero.
+    memory = bytes(64 * 1024) + random_image(1 * MIB - 64 * 1024, seed=102, data_fraction=1.0, chunk_size=16384)
+    state = make_state(tmp_path / "state", content, 1 * MIB, memory=memory, memory_chunk_size=16384)
     state.publish(isr_server.store)
     trace = tmp_path / "trace.txt"
     with server_vulpes(vulpes_binary, tmp_path, state, isr_server) as v:
@@ -804,9 +806,11 @@ def test_trace_records_every_access(vulpes_binary: Path, isr_server: IsrServer, 
             f.write(b"0123456789")
         with open(v.path("memory"), "rb", buffering=0) as f:
             f.read(10)
-        assert v.control({"op": "trace-stop"})["records"] >= 4
+            f.seek(5 * 16384 + 100)
+            assert f.read(10) == memory[5 * 16384 + 100:5 * 16384 + 110]
+        assert v.control({"op": "trace-stop"})["records"] >= 5
     lines = trace.read_text().splitlines()
-    assert lines[0] == f"# vulpes-trace 2 chunk_size={CHUNK_SIZE}"
+    assert lines[0] == f"# vulpes-trace 3 disk.chunk_size={CHUNK_SIZE} memory.chunk_size=16384"
     records = [line.split() for line in lines[1:]]
     assert all(len(r) == 7 and float(r[0]) > 1e9 for r in records)
     seen = {(r[1], int(r[2]), r[3], r[4], int(r[5]), int(r[6])) for r in records}
@@ -818,6 +822,8 @@ def test_trace_records_every_access(vulpes_binary: Path, isr_server: IsrServer, 
     assert ("disk", 4, "w", "server", 5 * CHUNK_SIZE - 5, 5) in seen
     assert ("disk", 5, "w", "server", 5 * CHUNK_SIZE, 5) in seen
     assert any(r[1] == "memory" and r[2] == "0" and r[4] == "zero" and r[5] == "0" for r in records)
+    # A memory chunk is 16 KiB: the kernel's page read at 80 KiB is chunk 5's.
+    assert any(r[1] == "memory" and r[2] == "5" and r[4] == "server" and int(r[5]) == 5 * 16384 for r in records)
     # chunksim reads vulpes traces as they are.
     from tools.chunksim.trace import read_trace
 

@@ -83,25 +83,28 @@ class ParcelState:
 
 
 def make_state(state_dir: Path, disk: bytes | Path, memory_size: int, *, memory: bytes | None = None,
-               chunk_size: int = CHUNK_SIZE, seed: int = 1) -> ParcelState:
+               chunk_size: int = CHUNK_SIZE, memory_chunk_size: int | None = None, seed: int = 1) -> ParcelState:
     """Encode the images with the Python reference implementation and write keyring.disk/keyring.memory,
-    as isrctl does at checkout. `disk` is the content or a raw file; zero chunks get no record."""
+    as isrctl does at checkout. `disk` is the content or a raw file; zero chunks get no record. The memory
+    image has chunks of `memory_chunk_size` (default: `chunk_size`)."""
     rng = random.Random(seed)
     state_dir.mkdir(parents=True, exist_ok=True)
     disk_bytes = disk.read_bytes() if isinstance(disk, Path) else disk
     contents = {"disk": disk_bytes, "memory": memory if memory is not None else bytes(memory_size)}
     state = ParcelState(state_dir, rng.randbytes(32), rng.randbytes(32), chunk_size, contents)
+    sizes = {"disk": chunk_size, "memory": memory_chunk_size or chunk_size}
     for name, content in contents.items():
         records: dict[int, KeyringRecord] = {}
-        for index in range(chunk_count(chunk_size, len(content))):
-            plain = content[index * chunk_size:(index + 1) * chunk_size]
+        size = sizes[name]
+        for index in range(chunk_count(size, len(content))):
+            plain = content[index * size:(index + 1) * size]
             if is_zero(plain):
                 continue
             encoded = encode_chunk(plain, state.secret)
             records[index] = KeyringRecord(index, encoded.flags, encoded.tag,
                                            wrap_chunk_key(state.parcel_key, encoded.key))
             state.objects[encoded.tag] = encoded.data
-        keyring = Keyring.create(state_dir / f"keyring.{name}", chunk_size, len(content))
+        keyring = Keyring.create(state_dir / f"keyring.{name}", size, len(content))
         try:
             keyring.put_many(records[i] for i in sorted(records))
         finally:

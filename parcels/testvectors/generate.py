@@ -637,6 +637,10 @@ def manifest_vectors() -> list[Vec]:
     fractional = cold_manifest()
     fractional["created"] = "2026-11-22T04:40:32.123456Z"
     fractional["timestamps"]["created"] = "2026-11-22T04:40:32+00:00"
+    # The memory image's own chunk size: 8192 chunks of 32 KiB, so index 8191 is in range (not at 128 KiB).
+    memory_chunks = base_manifest()
+    memory_chunks["images"]["memory"]["chunk_size"] = 32768
+    memory_chunks["working_set"]["memory"] = [8191, 0]
     ok = [
         manifest_ok("suspended_version_3", base_manifest()),
         manifest_ok("cold_version_1", cold_manifest()),
@@ -644,6 +648,7 @@ def manifest_vectors() -> list[Vec]:
         manifest_ok("unicode_name", unicode_name),
         manifest_ok("name_64_characters", long_name),
         manifest_ok("fractional_seconds_and_offset", fractional),
+        manifest_ok("memory_chunk_size_of_its_own", memory_chunks),
     ]
     base_blob = ok[0]["blob"]
     rejects = []
@@ -686,6 +691,10 @@ def manifest_vectors() -> list[Vec]:
 
     def vm(**changes: Any) -> Callable[[dict[str, Any]], None]:
         return lambda o: o["vm"].update(changes)
+
+    def memory_index_beyond_64k(o: dict[str, Any]) -> None:
+        o["images"]["memory"].update(chunk_size=65536)      # 4096 chunks of 64 KiB: 4095 is the last
+        o["working_set"].update(memory=[4096])
 
     rules: list[tuple[str, str, Callable[[dict[str, Any]], None]]] = [
         ("format_2", "format", lambda o: o.update(format=2)),
@@ -743,6 +752,15 @@ def manifest_vectors() -> list[Vec]:
         ("suspended_without_time", "suspended", lambda o: o["timestamps"].update(suspended=None)),
         ("suspended_as_string", "suspended", lambda o: o.update(suspended="true")),
         ("working_set_out_of_range", "working_set", lambda o: o["working_set"].update(disk=[0, 8192])),
+        ("memory_working_set_beyond_chunk_count", "working_set", lambda o: o["working_set"].update(memory=[2048])),
+        ("memory_working_set_beyond_own_chunk_count", "working_set", memory_index_beyond_64k),
+        ("memory_chunk_size_not_power_of_two", "chunk_size",
+         lambda o: o["images"]["memory"].update(chunk_size=30000)),
+        ("memory_chunk_size_too_small", "chunk_size", lambda o: o["images"]["memory"].update(chunk_size=2048)),
+        ("memory_chunk_size_as_string", "chunk_size", lambda o: o["images"]["memory"].update(chunk_size="32768")),
+        ("memory_chunks_more_than_own_chunk_count", "chunks",
+         lambda o: o["images"]["memory"].update(chunk_size=4194304, chunks=65,
+                                                keyring={"sha256": "00" * 32, "size": 28 + 81 * 65})),
         ("working_set_negative", "working_set", lambda o: o["working_set"].update(disk=[-1])),
         ("working_set_duplicate", "working_set", lambda o: o["working_set"].update(memory=[5, 3, 5])),
         ("working_set_missing_memory", "working_set", lambda o: o["working_set"].pop("memory")),

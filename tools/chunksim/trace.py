@@ -19,12 +19,13 @@ an image column every access is to the image ``disk``. Byte granularity: any off
 
 **vulpes trace** (``vulpes/src/trace.c``: what the FUSE daemon writes with tracing on)::
 
-    # vulpes-trace 2 chunk_size=131072
+    # vulpes-trace 3 disk.chunk_size=131072 memory.chunk_size=32768
     1795324586.844788 disk 17 r cache 2228224 4096
 
 one line per chunk access: wall-clock time, image name, chunk index, ``r``/``w``, where the access was
 satisfied (ram, cache, lookaside, server, zero, new, pack), and the bytes of the image it touched in that chunk
-(offset, length): byte granularity. Version 1 (vulpes before 2026-11) had no offset and length; such a run
+(offset, length): byte granularity. The header gives each image's chunk size; version 2 had one for all
+(``# vulpes-trace 2 chunk_size=131072``). Version 1 (vulpes before 2026-11) had no offset and length; such a run
 only knows which chunk was touched, so its *granularity* is the chunk size: a simulation with smaller
 chunks than that cannot say more than the trace knows (see `Trace.granularity`). A file may hold several
 runs, each starting with its header line.
@@ -277,9 +278,29 @@ def _parse_csv(path: Path, lines: list[tuple[int, str]]) -> Trace:
     return Trace(name="", accesses=accesses, metadata=metadata, granularity=1, format="csv")
 
 
+def _vulpes_header(path: Path, number: int, text: str) -> tuple[int, int, dict[str, int]]:
+    """A run's header line: (version, its one chunk size (versions 1 and 2), each image's (version 3))."""
+    parts = text.split()
+    version = parts[2] if len(parts) > 2 else ""
+    fields = [part.partition("=") for part in parts[3:]]
+    if (version not in ("1", "2", "3") or not fields or any(not sep for _, sep, _ in fields)
+            or (version != "3" and (len(fields) != 1 or fields[0][0] != "chunk_size"))
+            or (version == "3" and any(not key.endswith(".chunk_size") for key, _, _ in fields))):
+        raise TraceFormatError(path, f"unsupported vulpes trace header {text!r} (expected '# vulpes-trace 1|2 "
+                                     "chunk_size=N' or '# vulpes-trace 3 IMAGE.chunk_size=N ...')", number)
+    values = {key: _int_field(path, number, key, value) for key, _, value in fields}
+    for key, value in values.items():
+        if value <= 0:
+            raise TraceFormatError(path, f"{key} {value} must be positive", number)
+    if version != "3":
+        return int(version), values["chunk_size"], {}
+    return 3, 0, {key.removesuffix(".chunk_size"): value for key, value in values.items()}
+
+
 def _parse_vulpes(path: Path, lines: list[tuple[int, str]]) -> Trace:
     accesses: list[Access] = []
     chunk_size = 0
+    sizes: dict[str, int] = {}           # version 3: the chunk size of each image
     version = 0
     granularity = 0
     origin: float | None = None
@@ -289,24 +310,17 @@ def _parse_vulpes(path: Path, lines: list[tuple[int, str]]) -> Trace:
         if not stripped:
             continue
         if stripped.startswith(VULPES_MAGIC):
-            parts = stripped.split()
-            if len(parts) != 4 or parts[2] not in ("1", "2") or not parts[3].startswith("chunk_size="):
-                raise TraceFormatError(path, f"unsupported vulpes trace header {stripped!r} "
-                                             "(expected '# vulpes-trace 1|2 chunk_size=N')", number)
-            version = int(parts[2])
-            chunk_size = _int_field(path, number, "chunk_size", parts[3].split("=", 1)[1])
-            if chunk_size <= 0:
-                raise TraceFormatError(path, f"chunk_size {chunk_size} must be positive", number)
+            version, chunk_size, sizes = _vulpes_header(path, number, stripped)
             if version == 1:
                 granularity = max(granularity, chunk_size)
             continue
         if stripped.startswith("#"):
             continue
         fields = stripped.split()
-        if version == 2 and len(fields) != 7:
+        if version >= 2 and len(fields) != 7:
             raise TraceFormatError(path, "expected 7 space-separated fields (time image chunk r|w source offset "
                                          f"length), found {len(fields)}", number)
-        if version != 2 and len(fields) != 5:
+        if version == 1 and len(fields) != 5:
             raise TraceFormatError(path, "expected 5 space-separated fields (time image chunk r|w source), "
                                          f"found {len(fields)}", number)
         when = _time_field(path, number, fields[0])
@@ -323,8 +337,12 @@ def _parse_vulpes(path: Path, lines: list[tuple[int, str]]) -> Trace:
             origin = when
         # Wall-clock times from several threads: a record may be a hair older than the one before.
         rel = max(when - origin, last_time)
+        if sizes:
+            if fields[1] not in sizes:
+                raise TraceFormatError(path, f"image {fields[1]!r} has no chunk size in the run's header", number)
+            chunk_size = sizes[fields[1]]
         offset, length = index * chunk_size, chunk_size
-        if version == 2:
+        if version >= 2:
             offset = _int_field(path, number, "offset", fields[5])
             length = _int_field(path, number, "length", fields[6])
             if length <= 0 or not index * chunk_size <= offset < offset + length <= (index + 1) * chunk_size:

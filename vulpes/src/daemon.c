@@ -28,7 +28,6 @@ struct Daemon {
         Image *images[_DAEMON_IMAGE_MAX];
         Hoard *hoard;
         Writeback *writeback;
-        uint32_t chunk_size;
 };
 
 static const char *const image_names[_DAEMON_IMAGE_MAX] = { "disk", "memory" };
@@ -190,7 +189,6 @@ int daemon_new(const DaemonConfig *config, Daemon **ret) {
                         goto out_free;
                 }
         }
-        d->chunk_size = image_chunk_size(d->images[DAEMON_IMAGE_DISK]);
         /* The memory image's writes are the kernel's writeback of QEMU's mapping of it: refused, they would
          * be lost; without room they wait (the session pauses the VM).  The disk's fail with ENOSPC. */
         image_set_full_waits(d->images[DAEMON_IMAGE_MEMORY], true);
@@ -302,7 +300,11 @@ int daemon_set_offline(Daemon *d, bool offline) {
 }
 
 int daemon_trace_start(Daemon *d, const char *path) {
-        return trace_start(d->trace, path, d->chunk_size);
+        uint32_t sizes[_DAEMON_IMAGE_MAX];
+
+        for (int i = 0; i < _DAEMON_IMAGE_MAX; i++)
+                sizes[i] = image_chunk_size(d->images[i]);
+        return trace_start(d->trace, path, image_names, sizes, _DAEMON_IMAGE_MAX);
 }
 
 /* --- status report ---------------------------------------------------------------------------------- */

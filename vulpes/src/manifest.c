@@ -252,8 +252,9 @@ static bool check_images(Manifest *m, const json_t *root) {
                 "images must be exactly disk and memory");
         for (ManifestImageId id = 0; id < _MANIFEST_IMAGE_MAX; id++) {
                 const json_t *image = json_object_get(images, image_names[id]);
-                const json_t *keyring = json_object_get(image, "keyring");
+                const json_t *keyring = json_object_get(image, "keyring"), *own;
                 ManifestImage *info = &m->images[id];
+                uint64_t own_size = 0;
 
                 REQUIRE(json_is_object(image) && json_is_object(keyring), "images.%s missing or malformed", image_names[id]);
                 REQUIRE(get_uint(json_object_get(image, "size"), &info->size) && info->size % 512 == 0,
@@ -263,7 +264,14 @@ static bool check_images(Manifest *m, const json_t *root) {
                 REQUIRE(get_uint(json_object_get(keyring, "size"), &info->keyring_size) &&
                                 get_uint(json_object_get(image, "chunks"), &info->chunks),
                         "images.%s sizes missing or invalid", image_names[id]);
-                REQUIRE(info->chunks <= chunk_count(info->size, m->chunk_size), "images.%s.chunks out of range",
+                own = json_object_get(image, "chunk_size");
+                info->chunk_size = m->chunk_size;
+                if (own && !json_is_null(own)) {
+                        REQUIRE(get_uint(own, &own_size) && chunk_size_valid(own_size),
+                                "invalid images.%s.chunk_size", image_names[id]);
+                        info->chunk_size = (uint32_t) own_size;
+                }
+                REQUIRE(info->chunks <= chunk_count(info->size, info->chunk_size), "images.%s.chunks out of range",
                         image_names[id]);
                 REQUIRE(info->keyring_size == KEYRING_HEADER_LEN + KEYRING_RECORD_LEN * info->chunks,
                         "images.%s.keyring.size does not match its record count", image_names[id]);
@@ -348,7 +356,7 @@ static bool check_working_set(Manifest *m, const json_t *root) {
         REQUIRE(json_is_object(working_set), "working_set missing or not an object");
         for (ManifestImageId id = 0; id < _MANIFEST_IMAGE_MAX; id++) {
                 const json_t *list = json_object_get(working_set, image_names[id]);
-                uint64_t limit = chunk_count(m->images[id].size, m->chunk_size), *sorted;
+                uint64_t limit = chunk_count(m->images[id].size, m->images[id].chunk_size), *sorted;
                 size_t n = json_array_size(list);
                 bool unique = true;
 

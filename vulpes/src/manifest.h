@@ -18,12 +18,14 @@ typedef enum ManifestImageId {
         _MANIFEST_IMAGE_MAX,
 } ManifestImageId;
 
-/* One entry of "images": the image's size and the digest and length of its keyring stream. */
+/* One entry of "images": the image's size, the digest and length of its keyring stream, and its chunk size
+ * (its own "chunk_size" if it has one, else the manifest's). */
 typedef struct ManifestImage {
         uint64_t size;
         uint8_t keyring_sha256[MANIFEST_DIGEST_LEN];
         uint64_t keyring_size;
         uint64_t chunks;
+        uint32_t chunk_size;
 } ManifestImage;
 
 /* One entry of "blobs": a sealed blob of this version and its kind, payload SHA-256 and payload size. */

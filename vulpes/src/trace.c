@@ -62,7 +62,8 @@ static uint64_t stop_locked(Trace *t) {
         return n;
 }
 
-int trace_start(Trace *t, const char *path, uint32_t chunk_size) {
+int trace_start(Trace *t, const char *path, const char *const images[], const uint32_t chunk_sizes[],
+                size_t n_images) {
         FILE *f;
         char *copy;
         int r;
@@ -77,7 +78,10 @@ int trace_start(Trace *t, const char *path, uint32_t chunk_size) {
                 free(copy);
                 return r;
         }
-        fprintf(f, "# vulpes-trace 2 chunk_size=%u\n", chunk_size);
+        fputs("# vulpes-trace 3", f);
+        for (size_t i = 0; i < n_images; i++)
+                fprintf(f, " %s.chunk_size=%u", images[i], chunk_sizes[i]);
+        fputc('\n', f);
         pthread_mutex_lock(&t->lock);
         stop_locked(t);
         t->file = f;

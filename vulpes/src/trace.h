@@ -18,11 +18,13 @@ Trace *trace_free(Trace *t);
 
 /*
  * Starts writing every chunk access to path (appending; a header line starts each run), replacing a
- * running trace.  Format (doc/vulpes.md): "# vulpes-trace 2 chunk_size=N" then one line per access to a
- * chunk, "<unix time, µs precision> <image> <chunk index> <r|w> <source> <offset> <length>", source
- * being a StatsTier name and offset, length the bytes of the image the access touched in that chunk.
+ * running trace.  Format (doc/vulpes.md): "# vulpes-trace 3 disk.chunk_size=N memory.chunk_size=M" (each of
+ * the n_images images and its chunk size) then one line per access to a chunk, "<unix time, µs precision>
+ * <image> <chunk index> <r|w> <source> <offset> <length>", source being a StatsTier name and offset, length
+ * the bytes of the image the access touched in that chunk.
  */
-int trace_start(Trace *t, const char *path, uint32_t chunk_size);
+int trace_start(Trace *t, const char *path, const char *const images[], const uint32_t chunk_sizes[],
+                size_t n_images);
 
 /* Stops tracing and flushes the file; returns the number of records written by this run. */
 uint64_t trace_stop(Trace *t);

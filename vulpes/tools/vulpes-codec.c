@@ -573,8 +573,8 @@ static int cmd_manifest_open(int argc, char **argv) {
                 printf("%s_size=%" PRIu64 "\n", name, image->size);
                 snprintf(label, sizeof(label), "%s_keyring_sha256", name);
                 print_hex(label, image->keyring_sha256, sizeof(image->keyring_sha256));
-                printf("%s_keyring_size=%" PRIu64 "\n%s_chunks=%" PRIu64 "\n", name, image->keyring_size, name,
-                       image->chunks);
+                printf("%s_keyring_size=%" PRIu64 "\n%s_chunks=%" PRIu64 "\n%s_chunk_size=%" PRIu32 "\n", name,
+                       image->keyring_size, name, image->chunks, name, image->chunk_size);
                 manifest_working_set(m, id, &indices, &n_indices);
                 printf("%s_working_set=", name);
                 for (size_t i = 0; i < n_indices; i++)
