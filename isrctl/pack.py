@@ -8,9 +8,10 @@ readahead is off, so vulpes's trace records each page the guest faulted on, one 
 `PACK_BYTES` of those pages after a resume, read back from the memory image at suspend, are the next
 resume's best prediction of what its guest touches first, as Firecracker's REAP records them (measured:
 96 % of the pages the next guest touched in its first 10 s were among the first 2,048 of them). They are
-packed in parts of `PART_BYTES`, in touch order. The first part crosses the link before QEMU loads the
-device state; the others follow, in order, while the guest runs, and vulpes serves their pages from RAM
-ahead of the chunks.
+packed in touch order: a first part of `FIRST_PART_BYTES`, which crosses the link before QEMU loads the
+device state, then smaller parts of `PART_BYTES`, which follow one after another while the guest runs (a
+guest miss that comes meanwhile waits behind one of them at most); vulpes serves their pages from RAM ahead
+of the chunks.
 
 A session that booted cold makes no pack: what a boot touches says little about what a resume will.
 """
@@ -40,10 +41,14 @@ log = logging.getLogger(__name__)
 #: 8 MiB at 6.8 s, 16 MiB at 7.6-8.2 s, whose last parts the guest did not need yet and whose pages come again
 #: with their chunks.
 PACK_BYTES = 8 << 20
-#: The plaintext of one part (256 pages). Only the first is fetched before the guest starts (compressed,
-#: about 0.3 MB: 0.03 s at 100 Mbit/s, 0.3 s at 10, 3 s at 1); the others follow in touch order while the
-#: guest runs, each soon enough to be there before the guest wants most of its pages.
-PART_BYTES = 1 << 20
+#: The plaintext of the first part (256 pages), fetched before the guest starts (compressed, about 0.3 MB:
+#: 0.03 s at 100 Mbit/s, 0.3 s at 10, 3 s at 1).
+FIRST_PART_BYTES = 1 << 20
+#: The plaintext of each later part (64 pages, about 80 KB on the link: 65 ms at 10 Mbit/s). A guest miss
+#: that comes while one crosses waits for it: with 1 MiB parts, up to 0.3 s at 10 Mbit/s (BENCHMARKS.md,
+#: "demand first"). Waiting for the guest to stop missing instead starved the pack (its misses hardly stop
+#: before it answers) and doubled the time to the answer.
+PART_BYTES = 256 << 10
 _PAGE = 4096
 
 
@@ -56,7 +61,7 @@ def first_touches(trace: Path, image: str, limit: int) -> list[tuple[int, int]]:
     try:
         with open(trace, errors="replace") as f:
             header = f.readline()
-            if not header.startswith("# vulpes-trace 2"):
+            if not header.startswith(("# vulpes-trace 2", "# vulpes-trace 3")):     # 3: a chunk size per image
                 return []
             for line in f:
                 parts = line.split()
@@ -97,14 +102,16 @@ def extents(ranges: list[tuple[int, int]], image_size: int) -> list[tuple[int, i
     return [(offset, min(length, resumepack.EXTENT_MAX // _PAGE * _PAGE)) for offset, length in out]
 
 
-def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES,
+def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES, first: int = FIRST_PART_BYTES,
           part: int = PART_BYTES) -> list[bytes]:
     """The pack's part payloads for the memory image at ``memory`` (vulpes's file, read after the guest
-    stopped), from this session's ``trace``, first touches first; none if the trace recorded no memory reads."""
+    stopped), from this session's ``trace``, first touches first, the first part ``first`` bytes and the
+    others ``part`` (the last part takes what is left once there are `resumepack.PARTS_MAX`); none if the trace
+    recorded no memory reads."""
     groups: list[list[tuple[int, int]]] = [[]]
     size = 0
     for offset, length in first_touches(trace, "memory", limit):
-        if size >= part and len(groups) < resumepack.PARTS_MAX:
+        if size >= (first if len(groups) == 1 else part) and len(groups) < resumepack.PARTS_MAX:
             groups.append([])
             size = 0
         groups[-1].append((offset, length))

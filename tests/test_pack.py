@@ -22,6 +22,11 @@ def test_first_touches_take_new_memory_reads_in_order_up_to_the_limit(tmp_path: 
     trace = tmp_path / "t.trace"
     trace.write_text(LINES)
     assert pack.first_touches(trace, "memory", 1 << 20) == [(397312, 32768), (8192, 4096), (1179648, 65536)]
+    # A version-3 trace (a chunk size per image) has the same lines.
+    v3 = tmp_path / "v3.trace"
+    v3.write_text(LINES.replace("# vulpes-trace 2 chunk_size=131072",
+                                "# vulpes-trace 3 disk.chunk_size=131072 memory.chunk_size=32768"))
+    assert pack.first_touches(v3, "memory", 1 << 20) == [(397312, 32768), (8192, 4096), (1179648, 65536)]
     # The limit counts new pages: the first read is 8 pages, so a limit of 8 pages stops after it.
     assert pack.first_touches(trace, "memory", 8 * 4096) == [(397312, 32768)]
     assert pack.first_touches(tmp_path / "none", "memory", 1 << 20) == []
@@ -50,10 +55,14 @@ def test_build_reads_the_chosen_bytes_back_from_the_memory_image(tmp_path: Path)
     got = [(e.offset, bytes(data)) for e, data in resumepack.decode(payload, len(image))]
     assert [offset for offset, _ in got] == [8192, 397312, 1179648]
     assert all(data == image[offset:offset + len(data)] for offset, data in got)
-    # Parts of 32 KiB: the first touch alone fills the first part; the next ones go to the second.
-    parts = [[e.offset for e, _ in resumepack.decode(p, len(image))] for p in pack.build(trace, memory, len(image),
-                                                                                         part=32768)]
-    assert parts == [[397312], [8192, 1179648]]
+    # A first part of 32 KiB: the first touch alone fills it; the next ones go to the second...
+    def part_offsets(first: int, part: int) -> list[list[int]]:
+        return [[e.offset for e, _ in resumepack.decode(p, len(image))]
+                for p in pack.build(trace, memory, len(image), first=first, part=part)]
+
+    assert part_offsets(32768, 1 << 20) == [[397312], [8192, 1179648]]
+    # ... and later parts of 4 KiB: one each.
+    assert part_offsets(32768, 4096) == [[397312], [8192], [1179648]]
     empty = tmp_path / "empty.trace"
     empty.write_text("# vulpes-trace 2 chunk_size=131072\n")
     assert pack.build(empty, memory, len(image)) == []

@@ -660,16 +660,17 @@ static bool idle_may_start_locked(Fetcher *f, uint64_t now, uint64_t *ret_wait_u
         return true;
 }
 
-/* How many hoard and idle transfers may run: the pacer's window, but where that is at its floor (a link on
- * which one object takes longer than the round trip) only one while a guest waits or just did, so that a
- * miss queues behind one object at most; two keep such a link full when no guest needs it. */
+/* How many hoard and idle transfers may run: the pacer's window, but none while a guest waits or just did.
+ * A resumed guest misses in bursts, one page after another, and each miss queues behind whatever background
+ * bytes are on the link (at 10 Mbit/s +20 ms, 61 misses before a guest answered took 7.7 s where they alone
+ * needed 2.6 s: BENCHMARKS.md, "demand first"); the quiet period that follows a miss is a few round trips,
+ * so the link fills again as soon as the guest computes. */
 static unsigned background_limit_locked(Fetcher *f, uint64_t now) {
-        unsigned limit = pace_background_limit(&f->pace, now);
         uint64_t wait;
 
-        if (limit <= PACE_MIN_TRANSFERS && !idle_may_start_locked(f, now, &wait))
-                return 1;
-        return limit;
+        if (!idle_may_start_locked(f, now, &wait))
+                return 0;
+        return pace_background_limit(&f->pace, now);
 }
 
 /* Starts every queued request that may start now; with the lock held.  Returns the µs until the next
