@@ -125,7 +125,59 @@ class _LogRelay:
                 reporter.say(line)
 
 
-def run_foreground(options: SessionOptions, parcel_keys: ParcelKeys, reporter: Reporter) -> int:
+class SessionProcess:
+    """The process a session runs in (``python -m isrctl.detach``), started before `isr resume` knows what it
+    is to run: the interpreter's start and the session's imports (0.15-0.25 s) then overlap the command's own
+    work with the server. `spawn_detached` hands it the options and keys; one that was not handed them (the
+    command failed first) is killed when this context ends, before it has done anything. Until it has its
+    options it writes to this command's stderr; then to the session's log."""
+
+    def __init__(self) -> None:
+        read_fd, self._key_write = os.pipe()
+        try:
+            # Its own session: the terminal's Ctrl-C belongs to `isr resume`, not to the running VM.
+            self.proc = subprocess.Popen([sys.executable, "-m", "isrctl.detach"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, pass_fds=(read_fd,), start_new_session=True)
+        except BaseException:
+            os.close(self._key_write)
+            raise
+        finally:
+            os.close(read_fd)
+        #: The keys' pipe as the process has it (pass_fds keeps the number).
+        self.key_fd = read_fd
+        self.handed = False
+
+    def hand(self, options: SessionOptions, parcel_keys: ParcelKeys) -> None:
+        """Give the process its options and, through their own pipe, the keys (64 bytes: never blocks). A
+        process that has already exited is not an error here: the caller reads its end (no "ready")."""
+        assert self.proc.stdin is not None and not self.handed
+        self.handed = True
+        try:
+            with contextlib.suppress(BrokenPipeError):
+                os.write(self._key_write, keymod.pack(parcel_keys))
+                self.proc.stdin.write((json.dumps({"options": options.to_json(), "key_fd": self.key_fd})
+                                       + "\n").encode())
+                self.proc.stdin.close()
+        finally:
+            os.close(self._key_write)
+
+    def __enter__(self) -> SessionProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.handed:
+            return
+        self.proc.kill()
+        self.proc.wait()
+        os.close(self._key_write)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+
+def run_foreground(options: SessionOptions, parcel_keys: ParcelKeys, reporter: Reporter,
+                   process: SessionProcess | None = None) -> int:
     """`isr resume` without --detach: the session runs until the VM ends; Ctrl-C (SIGINT), SIGTERM or a
     closed terminal (SIGHUP) suspend it.
 
@@ -135,7 +187,7 @@ def run_foreground(options: SessionOptions, parcel_keys: ParcelKeys, reporter: R
     Returns 0 when the VM was suspended or powered off cleanly, 1 otherwise.
     """
     state = ParcelState(options.parcel)
-    info = spawn_detached(options, parcel_keys, reporter)
+    info = spawn_detached(options, parcel_keys, reporter, process=process)
     pid = int(info["pid"])
     log_path = state.dir / "session.log"
     try:
@@ -180,8 +232,9 @@ def run_foreground(options: SessionOptions, parcel_keys: ParcelKeys, reporter: R
 
 
 def spawn_detached(options: SessionOptions, parcel_keys: ParcelKeys, reporter: Reporter,
-                   timeout: float = 3600.0) -> dict[str, Any]:
-    """Start a detached session process and relay its progress until the guest runs.
+                   timeout: float = 3600.0, process: SessionProcess | None = None) -> dict[str, Any]:
+    """Start a detached session process (in ``process``, started earlier, or a new one) and relay its
+    progress until the guest runs.
 
     Returns the session's start information. Raises SessionError with the session's own message if it
     fails to start.
@@ -189,18 +242,10 @@ def spawn_detached(options: SessionOptions, parcel_keys: ParcelKeys, reporter: R
     state = ParcelState(options.parcel)
     state.dir.mkdir(parents=True, exist_ok=True)
     log_path = state.dir / "session.log"
-    key_fd = keymod.key_pipe(parcel_keys)
-    try:
-        with open(log_path, "ab") as log_file:
-            # Its own session: the terminal's Ctrl-C belongs to `isr resume`, not to the running VM.
-            proc = subprocess.Popen([sys.executable, "-m", "isrctl.detach"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=log_file, pass_fds=(key_fd,),
-                                    start_new_session=True)
-    finally:
-        os.close(key_fd)
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write((json.dumps({"options": options.to_json(), "key_fd": key_fd}) + "\n").encode())
-    proc.stdin.close()
+    if process is None:
+        process = SessionProcess()
+    process.hand(options, parcel_keys)
+    proc = process.proc
     replay = Replayer(reporter)
     assert proc.stdout is not None
     try:
@@ -251,8 +296,12 @@ def _detached_main() -> int:
         # the session's options are `isrctl.detach.SessionOptions`, a second copy of this one's.
         from .session import Session, SessionOptions
 
-        request_data = json.loads(sys.stdin.readline())
+        line = sys.stdin.readline()
+        if not line:  # `isr resume` failed before it had the options (and said why): nothing to run
+            return 0
+        request_data = json.loads(line)
         options = SessionOptions.from_json(request_data["options"])
+        _write_to_log(2, options.parcel)
         parcel_keys = keymod.read_keys_fd(int(request_data["key_fd"]))
         session = Session(options, parcel_keys, reporter)
         info = session.start()
@@ -267,9 +316,7 @@ def _detached_main() -> int:
     write(json.dumps({"ready": info}) + "\n")
     out.close()
     # From now on nobody reads stdout: what the session says goes to its log.
-    log_fd = os.open(session.state.dir / "session.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    os.dup2(log_fd, 1)
-    os.close(log_fd)
+    _write_to_log(1, options.parcel)
     session.reporter = TerminalReporter(interactive=False)
 
     def terminate(signum: int, frame: object) -> None:
@@ -280,6 +327,13 @@ def _detached_main() -> int:
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, terminate)
     return session.serve()
+
+
+def _write_to_log(fd: int, parcel: str) -> None:
+    """Point ``fd`` (1 or 2) of the session's process at the parcel's session log."""
+    log_fd = os.open(ParcelState(parcel).dir / "session.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.dup2(log_fd, fd)
+    os.close(log_fd)
 
 
 if __name__ == "__main__":

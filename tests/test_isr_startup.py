@@ -1,6 +1,7 @@
-"""What `isr` loads before it does anything (issue 15): a command imports only its own module and what that
-uses, because a command's start counts against its transfer (`isr hoard`, `isr suspend` at 100 Mbit/s).
-Checked by the modules a real `isr` process has loaded, not by time."""
+"""What `isr` does before it does anything (issue 15): a command imports only its own module and what that
+uses, because a command's start counts against its transfer (`isr hoard`, `isr suspend` at 100 Mbit/s), and
+`isr resume` starts the session's process first, which a resume refused early ends again. Checked by the
+modules a real `isr` process has loaded and the processes left, not by time."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
+from tests.isr_fixtures import IsrEnv, Site, isr_env, one_line_error, sites  # noqa: F401  (isr_env: pytest fixture)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,3 +59,30 @@ def test_a_suspend_asks_the_session_without_its_modules(tmp_path: Path) -> None:
     modules = loaded_by(tmp_path, "import isrctl.commands.session")
     assert not top_level(modules), sorted(top_level(modules))
     assert not {"isrctl.session", "isrctl.checkin", "isrctl.checkout", "isrctl.remote"} & modules
+
+
+def session_processes(site: Site) -> list[int]:
+    """The session processes (``python -m isrctl.detach``) started for ``site`` (found by its data directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if b"isrctl.detach" not in (entry / "cmdline").read_bytes():
+                continue
+            if f"XDG_DATA_HOME={site.root / 'data'}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_a_resume_that_fails_before_the_session_leaves_no_session_process(isr_env: IsrEnv, tmp_path: Path) -> None:
+    # `isr resume` starts the session's process first thing (its start overlaps the command's work with the
+    # server); a resume refused before it hands that process its options ends it, silently.
+    parcel = isr_env.make_parcel("startup")
+    wrong = tmp_path / "wrong.key"
+    wrong.write_bytes(bytes(32))
+    with sites(isr_env, tmp_path, ["A"]) as (a,):
+        one_line_error(a.isr("resume", parcel.name, "--detach", "--vnc", "unix", "--keyfile", str(wrong),
+                             check=False), "key")
+        assert session_processes(a) == []
+        assert a.session(parcel) is None

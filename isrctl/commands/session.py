@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from isrprogress import human_bytes
+from isrprogress import TerminalReporter, human_bytes
 from parcels.manifest import IMAGES
 
 from .. import config as configmod
@@ -35,9 +35,6 @@ def running_session(ref: str | None) -> ParcelState | None:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from .. import mount as mountmod
-    from ..checkout import Client
-
     reporter = common.make_reporter(args)
     policymod.get(args.policy)
     running = running_session(args.parcel)
@@ -48,6 +45,15 @@ def cmd_resume(args: argparse.Namespace) -> int:
                              common.parcel_result(running, session=running.session_info(), continued=True))
     common.check_writable(paths.chunk_cache_dir(), "the chunk cache", "XDG_CACHE_HOME")
     common.check_writable(paths.parcels_dir(), "the parcel state directory", "XDG_DATA_HOME")
+    # The session's process starts now: its own start then overlaps the work with the server below.
+    with detach.SessionProcess() as process:
+        return _resume(args, reporter, process)
+
+
+def _resume(args: argparse.Namespace, reporter: TerminalReporter, process: detach.SessionProcess) -> int:
+    from .. import mount as mountmod
+    from ..checkout import Client
+
     if args.disconnected:
         state = common.local_state(args.parcel)
         checkout = state.require_checkout()
@@ -74,11 +80,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
         checkin_on_poweroff=not args.no_checkin)
     try:
         if args.detach:
-            info = detach.spawn_detached(options, parcel_keys, reporter)
+            info = detach.spawn_detached(options, parcel_keys, reporter, process=process)
             return common.finish(args, reporter, f"session pid {info['pid']}; `isr suspend {name}` suspends it\n"
                                                  f"  control  {info['control']}",
                                  common.parcel_result(state, session=info, continued=False))
-        code = detach.run_foreground(options, parcel_keys, reporter)
+        code = detach.run_foreground(options, parcel_keys, reporter, process=process)
     except BaseException:
         if first:  # a first resume that failed before its version was here leaves no "version 0" state
             state.forget_unfinished_checkout()
