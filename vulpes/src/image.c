@@ -812,8 +812,8 @@ ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset) {
 
 /*
  * With the lock held: whole chunk idx becomes zeros without being read.  A chunk that has no record and
- * is not in RAM is zeros already; any other becomes dirty zeros, whose flush drops its record (an all-zero
- * chunk has none).  It reserves no room: its flush stores no object.
+ * is not in RAM is zeros already (returns 0); any other becomes dirty zeros (returns 1), whose flush drops
+ * its record (an all-zero chunk has none).  It reserves no room: its flush stores no object.
  */
 static int chunk_punch_locked(Image *img, uint64_t idx) {
         StatsTier tier;
@@ -828,7 +828,7 @@ static int chunk_punch_locked(Image *img, uint64_t idx) {
                 return r;
         memset(img->chunks[idx].data, 0, length_of(img, idx));
         chunk_changed_locked(img, idx);
-        return 0;
+        return 1;
 }
 
 /* Zeros [offset, end), within one chunk, through the write path (which reads the rest of the chunk). */
@@ -854,9 +854,10 @@ int image_punch(Image *img, uint64_t offset, uint64_t len) {
                 pthread_mutex_lock(&img->lock);
                 r = chunk_punch_locked(img, idx);
                 pthread_mutex_unlock(&img->lock);
+                /* In the trace, a chunk punched is a whole-chunk write from the zero tier. */
                 if (r < 0)
                         stats_add(&img->src.stats->errors, 1);
-                else
+                else if (r > 0)
                         account(img, idx, TRACE_WRITE, STATS_TIER_ZERO, idx * img->chunk_size, length_of(img, idx));
         }
         if (r >= 0)
