@@ -660,16 +660,17 @@ static bool idle_may_start_locked(Fetcher *f, uint64_t now, uint64_t *ret_wait_u
         return true;
 }
 
-/* How many hoard and idle transfers may run: the pacer's window, but none while a guest waits or just did.
- * A resumed guest misses in bursts, one page after another, and each miss queues behind whatever background
- * bytes are on the link (at 10 Mbit/s +20 ms, 61 misses before a guest answered took 7.7 s where they alone
- * needed 2.6 s: BENCHMARKS.md, "demand first"); the quiet period that follows a miss is a few round trips,
- * so the link fills again as soon as the guest computes. */
+/* How many hoard and idle transfers may run: the pacer's window, but while a guest waits or just did only
+ * what half a bandwidth-delay product holds (pace_demand_limit(): none on a slow link).  A resumed guest
+ * misses in bursts, one page after another, and each miss queues behind whatever background bytes are on
+ * the link (at 10 Mbit/s +20 ms, 61 misses before a guest answered took 7.7 s where they alone needed
+ * 2.6 s; with no background at all while it missed, the workload at 100 Mbit/s took 2.5 times as long, its
+ * stream stopped: BENCHMARKS.md, "demand first"). */
 static unsigned background_limit_locked(Fetcher *f, uint64_t now) {
         uint64_t wait;
 
         if (!idle_may_start_locked(f, now, &wait))
-                return 0;
+                return pace_demand_limit(&f->pace, now);
         return pace_background_limit(&f->pace, now);
 }
 

@@ -100,6 +100,17 @@ uint64_t pace_object_time_us(const Pace *p, uint64_t now_us) {
         return rate ? (uint64_t) (p->object_bytes * 1e6 / (double) rate) : 0;
 }
 
+unsigned pace_demand_limit(const Pace *p, uint64_t now_us) {
+        uint64_t rate = pace_rate(p, now_us), rtt = pace_rtt_min_us(p);
+        unsigned limit = pace_background_limit(p, now_us);
+        double n;
+
+        if (!rate || !rtt || p->object_bytes < 1)
+                return 0;
+        n = (double) rate * (double) rtt / 2e6 / p->object_bytes;
+        return n < (double) limit ? (unsigned) n : limit;
+}
+
 unsigned pace_background_limit(const Pace *p, uint64_t now_us) {
         uint64_t rate = pace_rate(p, now_us), rtt = pace_rtt_min_us(p);
         double window, n;

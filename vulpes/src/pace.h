@@ -58,6 +58,16 @@ void pace_completed(Pace *p, uint64_t now_us, uint64_t ttfb_us, size_t object_by
 /* How many background transfers may run now. */
 unsigned pace_background_limit(const Pace *p, uint64_t now_us);
 
+/*
+ * How many may run while a guest is missing (its misses come one after another, each a round trip): the
+ * objects that fit in half a bandwidth-delay product, rate_max * rtt_min / 2, and never more than
+ * pace_background_limit().  A miss then waits at most about half a round trip behind them.  On a link where
+ * one object takes longer than that (10 Mbit/s and 20 ms: a 40 KB object is 34 ms, the half BDP 12 KB)
+ * none: background only runs between a guest's bursts.  On a fast one (100 Mbit/s: 125 KB) the stream
+ * the guest will need next keeps going while it misses.
+ */
+unsigned pace_demand_limit(const Pace *p, uint64_t now_us);
+
 /* The current estimates, for the status report (0 where nothing has been measured yet). */
 uint64_t pace_rtt_min_us(const Pace *p);
 uint64_t pace_rate(const Pace *p, uint64_t now_us);

@@ -95,6 +95,8 @@ static void test_fills_a_fast_link(void **state) {
         assert_in_range(pace_rate(&p, link.free_at), 11000000, 13000000);
         /* The queue it keeps stays near the target. */
         assert_true(queue < 2.0 * PACE_TARGET_US);
+        /* While a guest misses: half the bandwidth-delay product, 125 KB, is 2 objects. */
+        assert_int_equal(pace_demand_limit(&p, link.free_at), 2);
 }
 
 static void test_slow_link_stays_at_the_minimum(void **state) {
@@ -110,6 +112,8 @@ static void test_slow_link_stays_at_the_minimum(void **state) {
         ideal = (uint64_t) (100.0 * 60000 / link.rate);
         assert_int_equal(peak, PACE_MIN_TRANSFERS);
         assert_true(took < ideal * 105 / 100);
+        /* While a guest misses: none (half the bandwidth-delay product is 1.25 KB). */
+        assert_int_equal(pace_demand_limit(&p, link.free_at), 0);
         /* A demand request arriving now waits behind at most the objects in flight: about two. */
         assert_true(queue <= 60000 / link.rate * 1.01);
 }
