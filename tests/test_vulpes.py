@@ -722,6 +722,7 @@ def test_idle_hoard_waits_while_a_guest_read_waits(vulpes_binary: Path, tmp_path
                 server.delay = 2.5
                 # Everything once: the list first, then the rest of the image (chunks 0..15).
                 assert hoard["chunks_total"] == 16 and hoard["chunks_done"] == 16, hoard
+                assert hoard["priority"] == priority, hoard
     finally:
         server.stop()
 

@@ -412,13 +412,13 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
                 fprintf(f,
                         ",\"hoard\":{\"state\":\"%s\",\"complete\":%s,\"chunks_done\":%llu,\"chunks_total\":%llu,"
                         "\"chunks_failed\":%llu,\"chunks_unstored\":%llu,\"cache_full\":%s,\"bytes_done\":%llu,"
-                        "\"bytes_total\":%llu,\"bytes_fetched\":%llu,\"seconds\":%.3f}",
+                        "\"bytes_total\":%llu,\"bytes_fetched\":%llu,\"seconds\":%.3f,\"priority\":\"%s\"}",
                         hoard_state_name(p.state),
                         p.state == HOARD_DONE && p.chunks_failed == 0 && !p.cache_full &&
                                 cs.evictions_total == p.evictions_at_done ? "true" : "false",
                         U(p.chunks_done), U(p.chunks_total), U(p.chunks_failed), U(p.chunks_unstored),
                         p.cache_full ? "true" : "false", U(p.bytes_done), U(p.bytes_total), U(p.bytes_fetched),
-                        p.seconds);
+                        p.seconds, p.priority == FETCH_IDLE ? "idle" : "hoard");
         }
         if (d->writeback) {
                 WritebackStatus w;

@@ -439,6 +439,7 @@ void hoard_progress(Hoard *h, HoardProgress *ret) {
 
         pthread_mutex_lock(&h->lock);
         *ret = h->progress;
+        ret->priority = h->priority;
         if (ret->state != HOARD_IDLE) {
                 clock_gettime(CLOCK_MONOTONIC, &now);
                 ret->seconds = (double) (now.tv_sec - h->started.tv_sec) +

@@ -35,6 +35,7 @@ typedef struct HoardProgress {
         uint64_t bytes_fetched;             /* object bytes downloaded by this run */
         double seconds;                     /* since this run started */
         uint64_t evictions_at_done;         /* the cache's eviction count when it finished */
+        FetchPriority priority;             /* of this run's requests: FETCH_HOARD or FETCH_IDLE */
 } HoardProgress;
 
 const char *hoard_state_name(HoardState state);

@@ -106,7 +106,7 @@ unsigned pace_demand_limit(const Pace *p, uint64_t now_us) {
         double n;
 
         if (!rate || !rtt || p->object_bytes < 1)
-                return 0;
+                return 1;               /* nothing measured yet: one, as on a slow link before */
         n = (double) rate * (double) rtt / 2e6 / p->object_bytes;
         return n < (double) limit ? (unsigned) n : limit;
 }

@@ -64,7 +64,7 @@ unsigned pace_background_limit(const Pace *p, uint64_t now_us);
  * pace_background_limit().  A miss then waits at most about half a round trip behind them.  On a link where
  * one object takes longer than that (10 Mbit/s and 20 ms: a 40 KB object is 34 ms, the half BDP 12 KB)
  * none: background only runs between a guest's bursts.  On a fast one (100 Mbit/s: 125 KB) the stream
- * the guest will need next keeps going while it misses.
+ * the guest will need next keeps going while it misses.  Before anything is measured: one.
  */
 unsigned pace_demand_limit(const Pace *p, uint64_t now_us);
 
