@@ -20,6 +20,7 @@ from parcels import parcel as parcel_ops
 from parcels import resumepack
 from parcels.manifest import Manifest
 from parcels.store import DirStore
+from tests.conftest import wait_until
 from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
 from tests.isr_fixtures import (IsrEnv, NetSite, Parcel, check_continues, isr_env, make_changes,  # noqa: F401
                                 nets, sites)
@@ -71,6 +72,10 @@ def test_guest_continues_at_the_other_site(policy: str, isr_env: IsrEnv, nets: l
             assert match and match.group(1) == match.group(2) and int(match.group(2)) > 0, out
         elif policy == "lazy-ws":
             assert "while the guest does not wait: the working set" in out, out
+            # vulpes hoards it at idle priority: only while no guest read waits.
+            hoard = wait_until(lambda: (h := b.stat(parcel)["session_status"]["vulpes"]["hoard"])["chunks_total"] and h,
+                               120, "the working-set hoard")
+            assert hoard["priority"] == "idle", hoard
         elif policy == "baseline":
             assert "hoarding everything (baseline)" in out
 
