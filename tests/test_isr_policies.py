@@ -153,7 +153,7 @@ def test_resume_pack_serves_the_next_fresh_site(isr_env: IsrEnv, nets: list[NetS
         assert reads and max(reads) == 4096, sorted(set(reads))
         manifest = committed_manifest(isr_env, parcel, 3)
         size = manifest.blobs[resumepack.BLOB_NAME].size
-        assert 0 < size <= 2 * pack.PART_BYTES, size
+        assert 0 < size <= 2 * pack.FIRST_PART_BYTES, size
 
         out = c.resume(parcel, "--policy", "demand").stdout
         match = re.search(r"resume pack: ([0-9.]+) MiB of memory ready before its chunks", out)

@@ -29,10 +29,11 @@ static void check_accepted(const Manifest *m, uint64_t version) {
         FUZZ_CHECK(!manifest_suspended(m) || manifest_qemu_version(m), "a suspended manifest has no QEMU version");
         for (ManifestImageId id = 0; id < _MANIFEST_IMAGE_MAX; id++) {
                 const ManifestImage *image = manifest_image(m, id);
-                uint64_t limit = chunk_count(image->size, manifest_chunk_size(m));
+                uint64_t limit = chunk_count(image->size, image->chunk_size);
                 const uint64_t *indices;
                 size_t n;
 
+                FUZZ_CHECK(chunk_size_valid(image->chunk_size), "an image has an invalid chunk size");
                 FUZZ_CHECK(image->chunks <= limit, "an image has more chunks than fit");
                 FUZZ_CHECK(image->keyring_size == 28 + 81 * image->chunks, "a keyring size is wrong");
                 manifest_working_set(m, id, &indices, &n);
