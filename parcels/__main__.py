@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from parcels import crypto, envelope, parcel, secretsource
-from parcels.chunk import DEFAULT_CHUNK_SIZE, DEFAULT_MEMORY_CHUNK_SIZE
+from parcels.chunk import DEFAULT_CHUNK_SIZE
 from parcels.errors import ParcelError
 from parcels.store import DirStore
 
@@ -137,8 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--smp", type=_positive, default=parcel.DEFAULT_SMP, help="vCPUs (default: %(default)s)")
     create.add_argument("--chunk-size", type=_positive, default=DEFAULT_CHUNK_SIZE, metavar="BYTES",
                         help="the disk's chunks: a power of two from 4096 to 4194304 (default: %(default)s)")
-    create.add_argument("--memory-chunk-size", type=_positive, default=DEFAULT_MEMORY_CHUNK_SIZE, metavar="BYTES",
-                        help="the memory image's chunks, the same rule (default: %(default)s)")
+    create.add_argument("--memory-chunk-size", type=_positive, metavar="BYTES",
+                        help="the memory image's chunks, the same rule (default: the disk's)")
     create.add_argument("--convergence-secret-file", type=Path, metavar="FILE",
                         help="32-byte file with your convergence secret, shared by your parcels so they "
                              "dedup; made with random bytes if it does not exist (default: a new secret)")

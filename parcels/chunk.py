@@ -20,11 +20,11 @@ COMPRESSION_ZSTD = 1
 FLAG_COMPRESSED = 0x01
 MIN_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 4194304
+#: The chunk size of a new parcel's images. The memory image may have one of its own (`create_parcel`'s
+#: ``memory_chunk_size``), but by default has the disk's: a resumed guest faults on single pages, but near
+#: each other, and each miss is a round trip; 32 KiB chunks took 3.4 times the misses of 128 KiB ones and the
+#: guest answered later (BENCHMARKS.md, "a chunk size for the memory image").
 DEFAULT_CHUNK_SIZE = 131072
-#: A new parcel's memory image has chunks of the disk's size: a resumed guest faults on single pages, but
-#: near each other, and each miss is a round trip; 32 KiB chunks took 3.4 times the misses of 128 KiB ones
-#: and the guest answered later (BENCHMARKS.md, "a chunk size for the memory image").
-DEFAULT_MEMORY_CHUNK_SIZE = DEFAULT_CHUNK_SIZE
 HEADER = struct.Struct(">4sBBHI")
 HEADER_SIZE = HEADER.size
 OVERHEAD = HEADER_SIZE + crypto.GCM_TAG_SIZE

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from parcels import crypto, envelope, seal
 from parcels import firmware as firmware_files
 from parcels import devices as devices_mod
-from parcels.chunk import DEFAULT_CHUNK_SIZE, DEFAULT_MEMORY_CHUNK_SIZE, chunk_length, decode_chunk, encode_chunk, is_zero, valid_chunk_size
+from parcels.chunk import DEFAULT_CHUNK_SIZE, chunk_length, decode_chunk, encode_chunk, is_zero, valid_chunk_size
 from parcels.errors import FormatError, ImageError, NotFoundError, ParcelError
 from parcels.image import SparseImageWriter, check_disk, image_size, raw_image, read_chunks
 from parcels.keyring import HEADER_SIZE as KEYRING_HEADER_SIZE
@@ -170,7 +170,7 @@ def create_parcel(store: DirStore, *, name: str, disk: str | os.PathLike[str], r
                   progress: Progress | None = None, log2n: int = envelope.DEFAULT_LOG2N,
                   tmpdir: str | os.PathLike[str] | None = None, disk_format: str | None = None,
                   firmware: str = "bios", check_boot: bool = False,
-                  memory_chunk_size: int = DEFAULT_MEMORY_CHUNK_SIZE) -> uuid.UUID:
+                  memory_chunk_size: int | None = None) -> uuid.UUID:
     """Create a new parcel whose version 1 holds the disk image `disk` and a powered-off VM.
 
     `disk` is a raw, qcow2, vmdk, vdi or vhdx file (`disk_format`, else as qemu-img identifies it), read
@@ -178,9 +178,10 @@ def create_parcel(store: DirStore, *, name: str, disk: str | os.PathLike[str], r
     (its virtual size) must be a nonzero multiple of 512. `firmware` is "bios" or "uefi". Without `boot`,
     the VM boots from the disk through its own bootloader: with `check_boot`, a disk that shows no way to
     do so under `firmware` (`parcels.image.boot_problem`) is refused with ImageError. A UEFI parcel gets
-    OVMF's empty variable store as its `firmware.NVRAM_BLOB` blob. The memory image is all zero and
-    `ram_mib` MiB large, cut into chunks of `memory_chunk_size` (the disk into `chunk_size`). `vm` may set machine, cpu, smp, qemu_version and devices (merged into the
-    defaults). `boot` holds "kernel" and
+    OVMF's empty variable store as its `firmware.NVRAM_BLOB` blob. The disk is cut into chunks of
+    `chunk_size`. The memory image is all zero, `ram_mib` MiB large, and cut into chunks of
+    `memory_chunk_size` (None: `chunk_size`). `vm` may set machine, cpu, smp, qemu_version and devices
+    (merged into the defaults). `boot` holds "kernel" and
     optionally "initrd" (file paths, stored as kind-4 blobs of those names) and "cmdline". The parcel is
     protected by exactly one of `passphrase` (scrypt with log2(N) = `log2n`) or `keyfile`. A random
     convergence secret is made unless one is given (give the user's own to dedup across their parcels).
@@ -194,6 +195,8 @@ def create_parcel(store: DirStore, *, name: str, disk: str | os.PathLike[str], r
         raise FormatError(f"a parcel name must be 1 to {MAX_NAME} characters")
     if not isinstance(ram_mib, int) or ram_mib < 1:
         raise FormatError("ram_mib must be a positive integer")
+    if memory_chunk_size is None:
+        memory_chunk_size = chunk_size
     for what, size in (("chunk size", chunk_size), ("memory chunk size", memory_chunk_size)):
         if not valid_chunk_size(size):
             raise FormatError(f"invalid {what} {size}: must be a power of two in 4096..4194304")

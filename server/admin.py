@@ -21,7 +21,7 @@ from typing import Any
 from isrprogress import Reporter, TerminalReporter, human_bytes as size
 from parcels import devices
 from parcels import qemuimg
-from parcels.chunk import DEFAULT_CHUNK_SIZE, DEFAULT_MEMORY_CHUNK_SIZE
+from parcels.chunk import DEFAULT_CHUNK_SIZE
 from parcels.errors import ParcelError
 from parcels.manifest import FIRMWARES
 from parcels.secretsource import read_key_file, read_secret
@@ -472,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cmdline", help="kernel command line")
     p.add_argument("--chunk-size", type=int, help=f"the disk's chunk size in bytes (default {DEFAULT_CHUNK_SIZE})")
     p.add_argument("--memory-chunk-size", type=int,
-                   help=f"the memory image's chunk size in bytes (default {DEFAULT_MEMORY_CHUNK_SIZE})")
+                   help="the memory image's chunk size in bytes (default: the disk's)")
     p.add_argument("--scrypt-log2n", type=int, help="scrypt cost of the key envelope (default 15)")
     credentials(p)
     p = cmd(parcels, "list", "parcel_list", "list parcels")

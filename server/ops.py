@@ -157,12 +157,11 @@ def create_parcel(meta: MetaStore, store: ObjectStore, *, owner: str, name: str,
         kwargs: dict[str, Any] = {}
         if chunk_size is not None:
             kwargs["chunk_size"] = chunk_size
-        if memory_chunk_size is not None:
-            kwargs["memory_chunk_size"] = memory_chunk_size
         if log2n is not None:
             kwargs["log2n"] = log2n
         with reporter.progress(f"encrypting {Path(disk).name}", 0) as bar:
             parcel_uuid = build_parcel(local, name=name, disk=disk, ram_mib=ram_mib, vm=vm, boot=boot,
+                                       memory_chunk_size=memory_chunk_size,
                                        passphrase=passphrase, keyfile=keyfile, progress=bar.update, tmpdir=tmp,
                                        disk_format=disk_format, firmware=firmware, **kwargs)
         parcel = str(parcel_uuid)

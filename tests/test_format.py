@@ -665,14 +665,19 @@ def test_create_with_short_last_chunk_boot_files_and_shared_secret(tmp_path: Pat
                                              "display": "vnc"}
     assert parcel.read_blob(store, first, m, "kernel", keys) == kernel.read_bytes()
     assert parcel.read_blob(store, first, m, "initrd", keys) == initrd.read_bytes()
+    # Without a memory chunk size of its own, the memory image has the disk's, and the manifest names none.
+    assert m.image_chunk_size("memory") == 4096 and m.images["memory"].chunk_size is None
     out = tmp_path / "out.raw"
     parcel.extract_image(store, first, 1, "disk", out, keyfile=keyfile)
     assert out.read_bytes() == disk.read_bytes()
     # The same secret and content dedup across parcels: a second parcel adds no chunk objects.
     before = sorted(p.name for p in (store.root / "chunks").rglob("*") if p.is_file())
-    parcel.create_parcel(store, name="copy", disk=disk, ram_mib=16, keyfile=keyfile, chunk_size=4096,
-                         convergence_secret=SECRET)
+    copy = parcel.create_parcel(store, name="copy", disk=disk, ram_mib=16, keyfile=keyfile, chunk_size=4096,
+                                convergence_secret=SECRET, memory_chunk_size=32768)
     assert sorted(p.name for p in (store.root / "chunks").rglob("*") if p.is_file()) == before
+    # Given one, the memory image has its own chunk size, in the manifest and its keyring.
+    contents = parcel.open_version(store, copy, 1, parcel.unlock(store, copy, keyfile=keyfile))
+    assert contents.manifest.images["memory"].chunk_size == 32768 and contents.manifest.chunk_size == 4096
 
 
 def test_create_from_qcow2(tmp_path: Path, image64: tuple[Path, set[int]]) -> None:
