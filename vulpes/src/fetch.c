@@ -739,7 +739,6 @@ static void finished_transfers(Fetcher *f) {
                 done = transfer_finish(f, r, code, &result);
                 if (done == 1 && result == 0 && r->kind == REQUEST_GET) {
                         curl_off_t ttfb = 0;
-
                         uint64_t now = now_us();
 
                         curl_easy_getinfo(r->easy, CURLINFO_STARTTRANSFER_TIME_T, &ttfb);
