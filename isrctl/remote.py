@@ -19,6 +19,7 @@ import hmac
 import json
 import socket
 import ssl
+import struct
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -35,6 +36,11 @@ from .errors import IsrError  # noqa: E402
 
 DEFAULT_TIMEOUT = 60.0
 MISSING_BATCH = 10000
+#: A bundle's frame: the length of the blob that follows, 8 bytes big-endian (doc/protocol.md).
+BUNDLE_FRAME = struct.Struct(">Q")
+#: A frame announcing more than this is broken: no sealed blob comes near it (the server's default limit is
+#: 256 MiB).
+BUNDLE_BLOB_MAX = 1 << 32
 
 
 class RemoteError(IsrError):
@@ -103,6 +109,10 @@ class ServerFailure(RemoteError):
     """5xx: the server failed (its storage may be down); retrying later may help."""
 
 
+class IncompleteBundle(RemoteError):
+    """A bundle of blobs (`Remote.get_blobs`) ended before its last blob arrived, or its framing is broken."""
+
+
 _CONFLICTS: dict[str, type[RemoteConflict]] = {
     "locked": LockHeld, "lock_lost": LockLost, "parent_mismatch": VersionConflict, "chunks_missing": ChunksMissing,
 }
@@ -140,8 +150,69 @@ def _pinned_context(fingerprint: str) -> ssl.SSLContext:
     return context
 
 
+class BundleReader:
+    """The body of a bundle (doc/protocol.md, GET …/versions/{n}/_bundle) parsed as it arrives: per blob, its
+    length as 8 bytes big-endian (`BUNDLE_FRAME`), then its bytes. `feed` returns the blobs that the bytes
+    so far complete; `finish` checks that all of ``names`` came. ``what`` begins the error messages."""
+
+    def __init__(self, names: Sequence[str], what: str) -> None:
+        self.names = list(names)
+        self.what = what
+        self.done = 0                       # blobs complete
+        self.buffer = bytearray()
+        self.length: int | None = None      # of the blob being read, once its frame is in
+
+    def feed(self, data: bytes) -> list[tuple[str, bytes]]:
+        self.buffer += data
+        out = []
+        while True:
+            if self.length is None:
+                if len(self.buffer) < BUNDLE_FRAME.size:
+                    break
+                if self.done == len(self.names):
+                    raise self.incomplete(f"{len(self.buffer)} bytes follow the last blob", bad=True)
+                (self.length,) = BUNDLE_FRAME.unpack_from(self.buffer)
+                if self.length > BUNDLE_BLOB_MAX:
+                    raise self.incomplete(f"blob {self.names[self.done]} is framed as {self.length} bytes", bad=True)
+                del self.buffer[:BUNDLE_FRAME.size]
+            if len(self.buffer) < self.length:
+                break
+            out.append((self.names[self.done], bytes(self.buffer[:self.length])))
+            del self.buffer[:self.length]
+            self.done += 1
+            self.length = None
+        return out
+
+    def finish(self) -> None:
+        """Raise `IncompleteBundle` unless every blob arrived whole and nothing followed: the answer ended."""
+        if self.done == len(self.names) and self.buffer:
+            raise self.incomplete(f"{len(self.buffer)} bytes follow the last blob", bad=True)
+        if self.done < len(self.names):
+            raise self.incomplete()
+
+    def incomplete(self, why: str = "", *, bad: bool = False) -> IncompleteBundle:
+        """The error for a body that ended (or, with ``bad``, was misframed) after the blobs done so far."""
+        how = "is broken" if bad else "ended"
+        return IncompleteBundle(f"{self.what} {how} after {self.done} of {len(self.names)} blobs"
+                                + (f" ({why})" if why else ""))
+
+
+def bundle_unsupported(error: RemoteError) -> bool:
+    """Whether a refused bundle request only means that the server has no bundle route, so that one GET per
+    blob will do. A server from before the route takes ``_bundle`` for a blob name and refuses it with 400
+    ``bad_blob_name`` (a server with the route refuses a bad list as ``bad_names``); a 404 for a path the
+    server does not know lists no ``missing`` blobs (one with the route lists the blobs the version lacks).
+    A 404 for the parcel or version itself is also taken so: the first GET of the fallback then raises it."""
+    return (error.status == 400 and error.code == "bad_blob_name") or \
+        (error.status == 404 and "missing" not in error.details)
+
+
 class Remote:
     """A connection to one isr-server. Use as a context manager or call `close`."""
+
+    #: The path segment of the bundle route under a version (a class attribute, so that a test can point an
+    #: instance at a route the server lacks and see the fallback).
+    bundle_segment = "_bundle"
 
     def __init__(self, url: str, *, fingerprint: str | None = None, ca_file: str | Path | None = None,
                  token: str | None = None, timeout: float = DEFAULT_TIMEOUT, http2: bool = True) -> None:
@@ -156,8 +227,20 @@ class Remote:
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
-        self.client = httpx.Client(base_url=self.url, verify=verify, http2=http2, timeout=timeout,
-                                   follow_redirects=True)
+        self.verify = verify
+        self.http2 = http2
+        self.client = self._new_client()
+
+    def _new_client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, verify=self.verify, http2=self.http2, timeout=self.timeout,
+                            follow_redirects=True)
+
+    def _drop_connections(self) -> None:
+        """Close every connection; the next request opens a new one. For an answer left unread: httpcore
+        neither resets the HTTP/2 stream of a response closed before its end nor gives back the flow-control
+        window its unread bytes hold, so a connection stalls for good after a few abandoned bundles."""
+        self.client.close()
+        self.client = self._new_client()
 
     def __enter__(self) -> "Remote":
         return self
@@ -322,6 +405,52 @@ class Remote:
         """A version's sealed blob; with ``progress``, reported as it arrives (see `download`)."""
         path = f"/v1/parcels/{parcel}/versions/{version}/{name}"
         return self.request("GET", path).content if progress is None else self.download(path, progress)
+
+    def get_blobs(self, parcel: str, version: int, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
+        """A version's sealed blobs ``names`` as (name, bytes), in that order, each yielded as soon as it has
+        arrived whole: one request (GET …/versions/{n}/_bundle, doc/protocol.md) whose answer streams them one
+        after another, so the link does not idle for a round trip between them.
+
+        Raises `IncompleteBundle` if the answer breaks off or its framing is wrong (the blobs yielded before
+        stay good), `RemoteNotFound` if the version lacks one of them (before any is yielded), and what
+        `request` raises. A server without the bundle route (`bundle_unsupported`) gets one `get_blob` per
+        name instead, yielding the same way."""
+        names = list(names)
+        if not names:
+            return
+        path = f"/v1/parcels/{parcel}/versions/{version}/{self.bundle_segment}?names={','.join(names)}"
+        request = self.client.build_request("GET", path, headers=self._headers(True))
+        with self._transport("GET", path):
+            try:
+                response = self.client.send(request, stream=True)
+            except (httpx.NetworkError, httpx.ProtocolError):  # retried once, as `request` retries a GET
+                response = self.client.send(request, stream=True)
+        try:
+            if response.status_code >= 300:
+                with self._transport("GET", path):
+                    response.read()
+                error = self._error("GET", path, response)
+                if not bundle_unsupported(error):
+                    raise error
+            else:
+                bundle = BundleReader(names, f"the bundle of version {version}")
+                ended = False
+                try:
+                    for block in response.iter_bytes():
+                        yield from bundle.feed(block)
+                    ended = True
+                except httpx.TransportError as e:
+                    raise bundle.incomplete(f"{type(e).__name__}: {e}") from None
+                finally:
+                    if not ended:       # the consumer stopped early, the framing or the connection broke
+                        response.close()
+                        self._drop_connections()
+                bundle.finish()
+                return
+        finally:
+            response.close()
+        for name in names:
+            yield name, self.get_blob(parcel, version, name)
 
     def put_blob(self, parcel: str, name: str, data: bytes, nonce: str) -> dict[str, Any]:
         """Stage a sealed blob for the next commit; the reply has its size and SHA-256."""

@@ -18,12 +18,14 @@ import logging
 import math
 import os
 import re
+import struct
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from . import auth, names
@@ -41,6 +43,9 @@ log = logging.getLogger("server")
 
 API_VERSION = 1
 CHUNK_CACHE_CONTROL = "private, max-age=31536000, immutable"
+#: A bundle's body (GET …/versions/{n}/_bundle): per blob, its length as 8 bytes big-endian, then its bytes.
+BUNDLE_FRAME = struct.Struct(">Q")
+BUNDLE_TYPE = "application/vnd.isr.bundle"
 #: Default page size of a version's chunk list (GET …/versions/{n}/chunks): about 1 MB of JSON.
 CHUNK_PAGE = 10000
 #: The limit of small JSON bodies (login, lock calls).
@@ -240,6 +245,40 @@ class Api:
             raise NotFound(f"version {number} has no blob {name}")
         headers = {"content-type": "application/octet-stream", "cache-control": CHUNK_CACHE_CONTROL}
         return await self.object_response(version_prefix(found.id, number) + name, headers, allow_redirect=False)
+
+    async def get_bundle(self, request: Request, token: TokenInfo, parcel: str, version: str) -> Response:
+        """Several blobs of a version in one streamed answer (doc/protocol.md), in the order of ``names``, each
+        framed as its length (`BUNDLE_FRAME`) and its bytes; read from the store one at a time, so a worker
+        holds one blob. Every name is checked before the answer starts, and the first blob is read before it
+        too: a store that fails then is an error status, not a cut-off body."""
+        found = await self.parcel(token, parcel)
+        number = names.version(version)
+        wanted = names.blob_names(request.query_params.get("names"))
+        info = await self.run(self.service.meta.get_version, found.id, number)
+        present = {b["name"] for b in info.blobs}
+        missing = [name for name in wanted if name not in present]
+        if missing:
+            raise NotFound(f"version {number} has no blob {', '.join(missing)}", missing=missing)
+        headers = {"content-type": BUNDLE_TYPE, "cache-control": CHUNK_CACHE_CONTROL}
+        if request.method == "HEAD":
+            return StreamingResponse(iter(()), headers=headers)
+        keys = [version_prefix(found.id, number) + name for name in wanted]
+        first = await self.run(self.service.store.get_bytes, keys[0])
+        return StreamingResponse(self.bundle_body(keys, first), headers=headers)
+
+    async def bundle_body(self, keys: list[str], first: bytes) -> AsyncIterator[bytes]:
+        """The body of `get_bundle`: the objects ``keys`` (the first already read) one after another, framed."""
+        data = first
+        for index, key in enumerate(keys):
+            if index:
+                try:
+                    data = await self.run(self.service.store.get_bytes, key)
+                except Exception as e:  # the status is sent: all that is left is to cut the body off
+                    log.error("failed to read %s for a bundle, which ends after %d of %d blobs: %s", key, index,
+                              len(keys), e)
+                    raise
+            yield BUNDLE_FRAME.pack(len(data))
+            yield data
 
     async def version_chunks(self, request: Request, token: TokenInfo, parcel: str, version: str) -> Response:
         found = await self.parcel(token, parcel)

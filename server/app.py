@@ -51,6 +51,8 @@ def route_table(api: Api, web: WebPages) -> list[Route]:
         Route("/v1/parcels/{parcel}/versions/{version}", a(get=api.get_version)),
         # Before the blob route: "chunks" is reserved (names.RESERVED_BLOB_NAMES), never a blob's name.
         Route("/v1/parcels/{parcel}/versions/{version}/chunks", a(get=api.version_chunks)),
+        # "_bundle" cannot name a blob (a blob name starts with a letter or digit).
+        Route("/v1/parcels/{parcel}/versions/{version}/_bundle", a(get=api.get_bundle)),
         Route("/v1/parcels/{parcel}/versions/{version}/{blob}", a(get=api.get_blob)),
         Route("/v1/parcels/{parcel}/staging/{blob}", a(put=api.put_staged)),
         Route("/v1/parcels/{parcel}/lock", a(get=api.get_lock, post=api.acquire, delete=api.release)),

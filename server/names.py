@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections import Counter
 
 from .errors import BadRequest
 
@@ -18,6 +19,10 @@ REQUIRED_BLOBS = ("manifest", "keyring.disk", "keyring.memory")
 #: Names that are path segments of the API under a version (``…/versions/{n}/chunks``), so never a blob's.
 RESERVED_BLOB_NAMES = ("chunks",)
 KEYENVELOPE_SIZE = 148
+#: The most blobs one bundle (GET …/versions/{n}/_bundle?names=…) names: a resume pack's parts, or a version's
+#: keyrings and device state, with room to spare; as many 64-character names (a 20 KB query) still pass the
+#: HTTP layers (tests/test_server_api.py sends them).
+BUNDLE_MAX = 300
 
 
 def tag(text: object) -> str:
@@ -46,6 +51,25 @@ def blob_name(text: object) -> str:
     if text in RESERVED_BLOB_NAMES:
         raise BadRequest(f"{text!r} is reserved by the API and cannot name a blob", code="bad_blob_name")
     return text
+
+
+def blob_names(text: object) -> list[str]:
+    """The ``names`` query of a bundle: 1 to `BUNDLE_MAX` distinct blob names, separated by commas."""
+    if not isinstance(text, str) or not text:
+        raise BadRequest("a bundle needs names=NAME,NAME,... (the blobs it returns, in order)", code="bad_names")
+    out = text.split(",")
+    if len(out) > BUNDLE_MAX:
+        raise BadRequest(f"a bundle names at most {BUNDLE_MAX} blobs, not {len(out)}", code="bad_names",
+                         limit=BUNDLE_MAX)
+    for name in out:
+        try:
+            blob_name(name)
+        except BadRequest as e:
+            raise BadRequest(f"names: {e}", code="bad_names") from None
+    twice = sorted(name for name, count in Counter(out).items() if count > 1)
+    if twice:
+        raise BadRequest(f"names: a bundle names each blob once, not {', '.join(twice)} twice", code="bad_names")
+    return out
 
 
 def user_name(text: object) -> str:

@@ -18,9 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from isrctl.remote import (AccessDenied, AuthenticationFailed, CertificateMismatch, ChunksMissing, LockHeld,
-                           LockLost, Remote, RemoteConflict, RemoteError, RemoteNotFound, RequestRejected,
-                           VersionConflict)
+from isrctl.remote import (AccessDenied, AuthenticationFailed, BundleReader, CertificateMismatch, ChunksMissing,
+                           IncompleteBundle, LockHeld, LockLost, Remote, RemoteConflict, RemoteError, RemoteNotFound,
+                           RequestRejected, VersionConflict, bundle_unsupported)
+from parcels import resumepack
+from server import names
 from tests.server_fixtures import (LOCK_LEASE, ServerEnv, free_port, postgres_dsn, s3_server, server_env,  # noqa: F401
                                    wait_until)
 
@@ -363,6 +365,135 @@ def test_version_chunk_lists_for_keyless_hoards(server_env: ServerEnv) -> None:
             client.put_blob(parcel, "chunks", b"x", nonce)
         assert e.value.code == "bad_blob_name"
         client.release(parcel, nonce)
+
+
+def _bundle_body(blobs: list[bytes]) -> bytes:
+    """A bundle's body as doc/protocol.md frames it: per blob, its length in 8 bytes big-endian, then it."""
+    return b"".join(len(data).to_bytes(8, "big") + data for data in blobs)
+
+
+def test_version_blob_bundles(server_env: ServerEnv) -> None:
+    """GET …/versions/{n}/_bundle streams the named blobs in the order asked, framed; a name the version
+    lacks is 404 before anything is sent, a bad list 400 bad_names, another user's parcel 403, as for one blob;
+    `Remote.get_blobs` yields what `get_blob` returns."""
+    parcel = server_env.new_parcel("alice")
+    theirs = server_env.new_parcel("bob")
+    extra = {"devstate": os.urandom(70000), "resumepack": os.urandom(5), "resumepack.1": b""}
+    with server_env.client("alice") as client:
+        nonce = client.acquire(parcel, host="laptop", site="home")["nonce"]
+        _, _, blobs = make_version(client, parcel, nonce, parent=0, n_chunks=1, extra_blobs=extra)
+        client.release(parcel, nonce)
+        order = ["resumepack.1", "keyring.memory", "devstate", "manifest", "resumepack"]
+        path = f"/v1/parcels/{parcel}/versions/1/_bundle"
+        answer = client.request("GET", f"{path}?names={','.join(order)}")
+        assert answer.content == _bundle_body([blobs[name] for name in order])
+        assert answer.headers["content-type"] == "application/vnd.isr.bundle"
+        assert "immutable" in answer.headers["cache-control"]
+        assert list(client.get_blobs(parcel, 1, order)) == [(name, client.get_blob(parcel, 1, name))
+                                                            for name in order]
+        assert list(client.get_blobs(parcel, 1, [])) == []
+        head = client.request("HEAD", f"{path}?names=manifest")
+        assert head.status_code == 200 and head.content == b""
+        # Every name is checked before a byte is sent.
+        got: list[tuple[str, bytes]] = []
+        with pytest.raises(RemoteNotFound) as e:
+            got.extend(client.get_blobs(parcel, 1, ["manifest", "kernel", "devstate", "initrd"]))
+        assert got == [] and e.value.details["missing"] == ["kernel", "initrd"]
+        for query in ("names=manifest,Manifest", "names=manifest,devstate,manifest", "names=", "",
+                      "names=manifest,", "names=" + ",".join(f"b{i}" for i in range(301))):
+            with pytest.raises(RequestRejected) as e:
+                client.request("GET", f"{path}?{query}")
+            assert e.value.status == 400 and e.value.code == "bad_names", query
+        # The longest list the server takes fits through HTTP/2's header limit.
+        longest = [f"{i:03d}".ljust(64, "x") for i in range(300)]
+        with pytest.raises(RemoteNotFound) as e:
+            list(client.get_blobs(parcel, 1, longest))
+        assert e.value.details["missing"] == longest
+        with pytest.raises(RemoteNotFound):
+            list(client.get_blobs(parcel, 2, ["manifest"]))
+        with pytest.raises(AccessDenied):
+            list(client.get_blobs(theirs, 1, ["manifest"]))
+    with server_env.client("bob") as bob, pytest.raises(AccessDenied):
+        list(bob.get_blobs(parcel, 1, ["manifest"]))
+    with server_env.server.client(token="isr_" + "x" * 40) as stranger, pytest.raises(AuthenticationFailed):
+        list(stranger.get_blobs(parcel, 1, ["manifest"]))
+
+
+def test_blob_bundle_left_unread_leaves_the_connection_usable(server_env: ServerEnv) -> None:
+    """A consumer that stops after the first blob of a bundle leaves the client usable: the unread rest would
+    otherwise hold the HTTP/2 flow-control window of the connection, and after a few such bundles (16 MiB
+    unread each) the next one stalled until its read timed out."""
+    parcel = server_env.new_parcel("alice")
+    big = {f"big{i}": os.urandom(4 << 20) for i in range(4)}
+    with server_env.client("alice") as client:
+        nonce = client.acquire(parcel, host="laptop")["nonce"]
+        make_version(client, parcel, nonce, parent=0, n_chunks=1, extra_blobs=big)
+        client.release(parcel, nonce)
+        for _ in range(3):
+            arriving = client.get_blobs(parcel, 1, list(big))
+            assert next(arriving) == ("big0", big["big0"])
+            arriving.close()
+        assert dict(client.get_blobs(parcel, 1, list(big))) == big
+
+
+def test_blob_bundle_falls_back_on_a_server_without_the_route(server_env: ServerEnv) -> None:
+    """Against a server that lacks the bundle route (here: a route name this one lacks, which it answers as a
+    server from before the route answers ``_bundle``), `get_blobs` fetches blob by blob and yields the same;
+    a bundle's own 404 for a missing blob is never taken for a missing route."""
+    parcel = server_env.new_parcel("alice")
+    with server_env.client("alice") as client:
+        nonce = client.acquire(parcel, host="laptop")["nonce"]
+        _, _, blobs = make_version(client, parcel, nonce, parent=0, n_chunks=1, extra_blobs={"devstate": b"d" * 9})
+        client.release(parcel, nonce)
+        order = ["devstate", "keyring.disk", "manifest"]
+        for segment, status in (("_nobundle", 400), ("_nobundle/deeper", 404)):
+            with pytest.raises(RemoteError) as e:
+                client.request("GET", f"/v1/parcels/{parcel}/versions/1/{segment}?names=manifest")
+            assert e.value.status == status and bundle_unsupported(e.value)
+            client.bundle_segment = segment
+            assert list(client.get_blobs(parcel, 1, order)) == [(name, blobs[name]) for name in order]
+            with pytest.raises(RemoteNotFound):
+                list(client.get_blobs(parcel, 1, ["manifest", "kernel"]))
+        client.bundle_segment = Remote.bundle_segment
+        with pytest.raises(RemoteNotFound) as e:
+            list(client.get_blobs(parcel, 1, ["kernel"]))
+        assert not bundle_unsupported(e.value)
+
+
+def test_blob_bundle_reader_refuses_cut_and_misframed_bodies(server_env: ServerEnv) -> None:
+    """`BundleReader` yields each blob once it is whole, whatever the pieces the body arrives in, and says
+    after how many blobs a real bundle that was cut off, or misframed, ended."""
+    parcel = server_env.new_parcel("alice")
+    with server_env.client("alice") as client:
+        nonce = client.acquire(parcel, host="laptop")["nonce"]
+        _, _, blobs = make_version(client, parcel, nonce, parent=0, n_chunks=1)
+        client.release(parcel, nonce)
+        order = list(blobs)
+        body = client.request("GET", f"/v1/parcels/{parcel}/versions/1/_bundle?names={','.join(order)}").content
+    whole = [(name, blobs[name]) for name in order]
+    for step in (1, 7, 8, 301, len(body)):
+        reader = BundleReader(order, "the bundle of version 1")
+        got = [blob for start in range(0, len(body), step) for blob in reader.feed(body[start:start + step])]
+        reader.finish()
+        assert got == whole
+    first_end = 8 + len(blobs[order[0]])
+    for cut, done in ((0, 0), (5, 0), (first_end - 1, 0), (first_end, 1), (first_end + 8, 1), (len(body) - 1, 2)):
+        reader = BundleReader(order, "the bundle of version 1")
+        assert len(reader.feed(body[:cut])) == done
+        with pytest.raises(IncompleteBundle, match=f"^the bundle of version 1 ended after {done} of 3 blobs$"):
+            reader.finish()
+    for bad, message in ((body + bytes(3), "broken after 3 of 3 blobs [(]3 bytes follow the last blob[)]"),
+                         (body + bytes(9), "broken after 3 of 3 blobs [(]9 bytes follow"),
+                         ((1 << 40).to_bytes(8, "big") + body[8:], "broken after 0 of 3 blobs [(]blob manifest is")):
+        with pytest.raises(IncompleteBundle, match=message):
+            reader = BundleReader(order, "the bundle of version 1")
+            reader.feed(bad)
+            reader.finish()
+
+
+def test_blob_bundle_bound_holds_a_whole_resume_pack() -> None:
+    """A resume's bundles (its pack's parts; the keyrings and device state) fit in one request."""
+    assert names.BUNDLE_MAX >= resumepack.PARTS_MAX
 
 
 def test_lock_refusal_names_the_holder(server_env: ServerEnv) -> None:
