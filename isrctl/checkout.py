@@ -173,17 +173,23 @@ class Client:
         sealed_manifest, manifest = self.fetch_manifest(parcel, version, parcel_keys)
         if check is not None:
             check(manifest)
+        # The keyrings and the device state in one request, each checked as soon as it has arrived.
+        keyrings = {KEYRING_FILES[image]: image for image in IMAGES}
         streams = {}
-        for image in IMAGES:
-            sealed = self.remote.get_blob(parcel, version, KEYRING_FILES[image])
-            records = open_keyring(parcel_keys.parcel_key, sealed, manifest, image)
-            streams[image] = encode_stream(manifest.image_chunk_size(image), manifest.images[image].size, records)
-            if crypto.sha256(streams[image]) != manifest.images[image].keyring_sha256:
-                raise IsrError(f"the {image} keyring of version {version} does not re-encode to its digest")
         devstate = None
-        if manifest.suspended:
-            devstate = self.remote.get_blob(parcel, version, "devstate")
-            open_blob(parcel_keys.parcel_key, devstate, manifest, "devstate")
+        wanted = [*keyrings, *(["devstate"] if manifest.suspended else [])]
+        with contextlib.closing(self.remote.get_blobs(parcel, version, wanted)) as arriving:
+            for name, sealed in arriving:
+                if name == "devstate":
+                    open_blob(parcel_keys.parcel_key, sealed, manifest, "devstate")
+                    devstate = sealed
+                    continue
+                image = keyrings[name]
+                records = open_keyring(parcel_keys.parcel_key, sealed, manifest, image)
+                streams[image] = encode_stream(manifest.image_chunk_size(image), manifest.images[image].size,
+                                               records)
+                if crypto.sha256(streams[image]) != manifest.images[image].keyring_sha256:
+                    raise IsrError(f"the {image} keyring of version {version} does not re-encode to its digest")
         state.install_version(manifest_sealed=sealed_manifest, streams=streams, devstate_sealed=devstate)
         reporter.say(f"  version {version}: manifest, keyrings"
                      f"{' and device state' if devstate else ''} verified "

@@ -17,6 +17,7 @@ A session that booted cold makes no pack: what a boot touches says little about 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -159,22 +160,24 @@ def worth_loading(state: ParcelState, manifest: Manifest) -> bool:
 
 def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, vulpes: Vulpes,
          names: list[str]) -> int:
-    """Fetch the pack parts ``names`` in order, check each and hand it to vulpes; returns their plaintext bytes.
+    """Fetch the pack parts ``names`` in one request that streams them in order (`Remote.get_blobs`), check each
+    as it arrives and hand it to vulpes; returns their plaintext bytes.
 
-    A part that cannot be had or is damaged ends the loading with a warning: the resume fetches those chunks
-    as it would without a pack."""
-    used = 0
-    for name in names:
-        try:
-            sealed = remote.get_blob(state.parcel, manifest.version, name)
-            payload = open_blob(parcel_keys.parcel_key, sealed, manifest, name)
-            size = manifest.images["memory"].size
-            part = sum(extent.length for extent, _ in resumepack.decode(payload, size))
-            vulpes.preload("memory", payload)
-        except (IsrError, ParcelError, OSError) as exc:
-            log.warning("the resume pack of version %d is not used from %s on: %s", manifest.version, name, exc)
-            break
-        used += part
-        log.info("resume pack %s: %d bytes of memory served before their chunks (%d bytes crossed the link)",
-                 name, part, len(sealed))
+    A part that cannot be had or is damaged, or an answer that breaks off before it, ends the loading with a
+    warning: the parts before it stay loaded, and the resume fetches the other chunks as it would without a
+    pack."""
+    used = loaded = 0
+    try:
+        with contextlib.closing(remote.get_blobs(state.parcel, manifest.version, names)) as arriving:
+            for name, sealed in arriving:
+                payload = open_blob(parcel_keys.parcel_key, sealed, manifest, name)
+                size = manifest.images["memory"].size
+                part = sum(extent.length for extent, _ in resumepack.decode(payload, size))
+                vulpes.preload("memory", payload)
+                used += part
+                loaded += 1
+                log.info("resume pack %s: %d bytes of memory served before their chunks (%d bytes crossed the "
+                         "link)", name, part, len(sealed))
+    except (IsrError, ParcelError, OSError) as exc:
+        log.warning("the resume pack of version %d is not used from %s on: %s", manifest.version, names[loaded], exc)
     return used

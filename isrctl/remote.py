@@ -21,7 +21,7 @@ import socket
 import ssl
 import struct
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -406,7 +406,7 @@ class Remote:
         path = f"/v1/parcels/{parcel}/versions/{version}/{name}"
         return self.request("GET", path).content if progress is None else self.download(path, progress)
 
-    def get_blobs(self, parcel: str, version: int, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
+    def get_blobs(self, parcel: str, version: int, names: Sequence[str]) -> Generator[tuple[str, bytes], None, None]:
         """A version's sealed blobs ``names`` as (name, bytes), in that order, each yielded as soon as it has
         arrived whole: one request (GET …/versions/{n}/_bundle, doc/protocol.md) whose answer streams them one
         after another, so the link does not idle for a round trip between them.

@@ -3,10 +3,22 @@ they become the extents of a resume pack (the whole path, suspend to a fresh sit
 tests/test_isr_policies.py)."""
 from __future__ import annotations
 
+import dataclasses
+import logging
+import os
+import uuid
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
 
 from isrctl import pack
-from parcels import resumepack
+from parcels import resumepack, seal
+from parcels.crypto import sha256
+from parcels.manifest import BlobInfo, ImageInfo
+from tests.server_fixtures import ServerEnv, server_env  # noqa: F401
+from tests.test_format import sample_manifest
 
 LINES = """# vulpes-trace 2 chunk_size=131072
 100.0 memory 3 r server 397312 32768
@@ -66,3 +78,60 @@ def test_build_reads_the_chosen_bytes_back_from_the_memory_image(tmp_path: Path)
     empty = tmp_path / "empty.trace"
     empty.write_text("# vulpes-trace 2 chunk_size=131072\n")
     assert pack.build(empty, memory, len(image)) == []
+
+
+class PreloadRecorder:
+    """Stands in for `isrctl.vulpes.Vulpes` where `pack.load` hands it the parts: records what it was given."""
+
+    def __init__(self) -> None:
+        self.payloads: list[bytes] = []
+
+    def preload(self, image: str, payload: bytes, *args: Any, **kwargs: Any) -> None:
+        assert image == "memory"
+        self.payloads.append(payload)
+
+
+@pytest.mark.parametrize("server_env", ["sqlite-directory"], indirect=True)
+def test_load_takes_the_parts_from_one_bundle_until_one_is_damaged(server_env: ServerEnv,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """`pack.load` fetches its parts from a real server in one bundle and hands each to vulpes in order; a
+    damaged part ends the loading with one warning, and the parts before it stay loaded."""
+    parcel = server_env.new_parcel("alice")
+    key = os.urandom(32)
+    image_size = 1 << 20
+    payloads = [resumepack.encode(image_size, [(index * 8192, os.urandom(4096))]) for index in range(3)]
+    names = [resumepack.part_name(index) for index in range(3)]
+    sealed = [seal.seal(key, seal.KIND_DEVSTATE, payload) for payload in payloads]
+    damaged = bytearray(sealed[1])
+    damaged[-1] ^= 1
+    with server_env.client("alice") as remote:
+        nonce = remote.acquire(parcel, host="laptop")["nonce"]
+        for version, part1 in ((1, sealed[1]), (2, bytes(damaged))):
+            blobs = {"manifest": b"m", "keyring.disk": b"k", "keyring.memory": b"k", names[0]: sealed[0],
+                     names[1]: part1, names[2]: sealed[2]}
+            for name, data in blobs.items():
+                remote.put_blob(parcel, name, data, nonce)
+            remote.commit(parcel, nonce, version - 1, list(blobs), [])
+        remote.release(parcel, nonce)
+        for version, loaded in ((1, 3), (2, 1)):
+            base = sample_manifest(version)
+            manifest = dataclasses.replace(
+                base, parcel=uuid.UUID(parcel),
+                images={**base.images, "memory": ImageInfo(size=image_size, keyring_sha256=bytes(32),
+                                                           keyring_size=28, chunks=0)},
+                blobs={name: BlobInfo(kind=seal.KIND_DEVSTATE, sha256=sha256(payload), size=len(payload))
+                       for name, payload in zip(names, payloads)})
+            vulpes = PreloadRecorder()
+            requests: list[str] = []
+            remote.client.event_hooks["request"] = [lambda request: requests.append(request.url.path)]
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="isrctl.pack"):
+                used = pack.load(remote, SimpleNamespace(parcel=parcel), manifest,  # type: ignore[arg-type]
+                                 SimpleNamespace(parcel_key=key), vulpes, names)  # type: ignore[arg-type]
+            assert used == loaded * 4096 and vulpes.payloads == payloads[:loaded]
+            assert requests == [f"/v1/parcels/{parcel}/versions/{version}/_bundle"]
+            warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            if loaded == 3:
+                assert warnings == []
+            else:
+                assert len(warnings) == 1 and "version 2 is not used from resumepack.1 on" in warnings[0]
