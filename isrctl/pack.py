@@ -108,7 +108,8 @@ def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES
     """The pack's part payloads for the memory image at ``memory`` (vulpes's file, read after the guest
     stopped), from this session's ``trace``, first touches first, the first part ``first`` bytes and the
     others ``part`` (the last part takes what is left once there are `resumepack.PARTS_MAX`); none if the trace
-    recorded no memory reads."""
+    recorded no memory reads. Each page is in one part only, and the first part carries the map of the others,
+    so that a resume whose guest reaches a page before its part arrives waits for that part."""
     groups: list[list[tuple[int, int]]] = [[]]
     size = 0
     for offset, length in first_touches(trace, "memory", limit):
@@ -117,21 +118,43 @@ def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES
             size = 0
         groups[-1].append((offset, length))
         size += length
+    taken: set[int] = set()                      # pages of earlier parts
+    layouts: list[list[tuple[int, int]]] = []
+    for group in groups:
+        pages = [page for start, length in extents(group, image_size) if start < image_size
+                 for page in range(start // _PAGE, -(-(start + length) // _PAGE)) if page not in taken]
+        taken.update(pages)
+        layouts.append(extents([(page * _PAGE, _PAGE) for page in pages], image_size))
+    layouts = [layout for layout in layouts if layout]
+    parts_map = _joined([resumepack.MapEntry(offset, length, index)
+                         for index, layout in enumerate(layouts) if index for offset, length in layout])
     payloads = []
     fd = os.open(memory, os.O_RDONLY)
     try:
-        for group in groups:
+        for index, layout in enumerate(layouts):
             pieces = []
-            for offset, length in extents(group, image_size):
+            for offset, length in layout:
                 data = os.pread(fd, length, offset)
                 if len(data) != length:
                     raise OSError(f"short read of {memory} at {offset}")
                 pieces.append((offset, data))
-            if pieces:
-                payloads.append(resumepack.encode(image_size, pieces))
+            payloads.append(resumepack.encode(image_size, pieces, parts_map if index == 0 else ()))
     finally:
         os.close(fd)
     return payloads
+
+
+def _joined(entries: list[resumepack.MapEntry]) -> list[resumepack.MapEntry]:
+    """Map entries sorted, those of one part that touch joined."""
+    out: list[resumepack.MapEntry] = []
+    for e in sorted(entries, key=lambda e: e.offset):
+        last = out[-1] if out else None
+        if last and last.part == e.part and last.offset + last.length == e.offset \
+                and last.length + e.length <= resumepack.EXTENT_MAX:
+            out[-1] = resumepack.MapEntry(last.offset, last.length + e.length, e.part)
+        else:
+            out.append(e)
+    return out
 
 
 def seal_pack(parcel_keys: ParcelKeys, payload: bytes) -> bytes:
@@ -173,7 +196,7 @@ def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: Pa
                 payload = open_blob(parcel_keys.parcel_key, sealed, manifest, name)
                 size = manifest.images["memory"].size
                 part = sum(extent.length for extent, _ in resumepack.decode(payload, size))
-                vulpes.preload("memory", payload)
+                vulpes.preload("memory", payload, part=resumepack.part_index(name))
                 used += part
                 loaded += 1
                 log.info("resume pack %s: %d bytes of memory served before their chunks (%d bytes crossed the "

@@ -993,6 +993,8 @@ class Session:
                     with client.new_remote() as remote:
                         pack.load(remote, self.state, manifest, self.keys, vulpes, names[1:])
                 finally:
+                    with contextlib.suppress(IsrError):
+                        vulpes.preload_end("memory")     # no read waits for a part that will not come
                     self._pack_loaded.set()
 
             threading.Thread(target=rest, name="resume-pack", daemon=True).start()

@@ -267,13 +267,17 @@ class Vulpes:
         status: dict[str, Any] = self.control({"op": "status"})["status"]
         return status
 
-    def preload(self, image: str, payload: bytes) -> None:
-        """Hand vulpes the resume pack of ``image`` (`isrctl.pack`), through RAM only."""
+    def preload(self, image: str, payload: bytes, part: int = 0) -> None:
+        """Hand vulpes part ``part`` of the resume pack of ``image`` (`isrctl.pack`), through RAM only."""
         fd, path = paths.memory_file(f"{image}-pack", payload)
         try:
-            self.control({"op": "preload", "image": image, "path": str(path)})
+            self.control({"op": "preload", "image": image, "path": str(path), "part": part})
         finally:
             os.close(fd)
+
+    def preload_end(self, image: str) -> None:
+        """No more parts of the resume pack of ``image`` will come: vulpes stops waiting for them."""
+        self.control({"op": "preload", "image": image, "end": True})
 
     def flush(self) -> None:
         """Make every write vulpes has acknowledged durable (chunk objects and keyring records)."""

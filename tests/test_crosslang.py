@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from parcels import resumepack
 from parcels import seal as pseal
 from parcels.chunk import decode_chunk, encode_chunk
 from parcels.envelope import unwrap_envelope, wrap_envelope
@@ -397,3 +398,45 @@ def test_manifest_image_chunk_size_same_in_both(codec: Path, tmp_path: Path, chu
         with pytest.raises(FormatError):
             open_manifest(pk, blob, parcel=parcel, version=1)
         codec_refuses(codec, "manifest-open", pk.hex(), parcel, 1, tmp_path / "manifest")
+
+
+# --- the resume pack ----------------------------------------------------------------------------------------
+
+def _pack_cases() -> dict[str, tuple[bytes, bool]]:
+    """Resume pack payloads for an image of 1 MiB, each with whether the format accepts it."""
+    size = 1 << 20
+    entries = [resumepack.MapEntry(0, 8192, 1), resumepack.MapEntry(65536, 4096, resumepack.PARTS_MAX - 1)]
+    v1 = resumepack.encode(size, [(4096, b"a" * 100), (8192, b"b" * 4096)])
+    v2 = resumepack.encode(size, [(16384, b"c" * 4096)], entries)
+    at = resumepack.HEADER_V2.size + resumepack.EXTENT.size
+    part_zero, overlap, beyond = bytearray(v2), bytearray(v2), bytearray(v2)
+    resumepack.MAP_ENTRY.pack_into(part_zero, at, 0, 8192, 0)
+    resumepack.MAP_ENTRY.pack_into(overlap, at + resumepack.MAP_ENTRY.size, 4096, 4096, 2)
+    resumepack.MAP_ENTRY.pack_into(beyond, at + resumepack.MAP_ENTRY.size, size - 4096, 8192, 2)
+    version_3 = bytearray(v2)
+    version_3[4] = 3
+    return {"v1": (v1, True), "v2": (v2, True), "empty": (resumepack.encode(size, []), True),
+            "map part 0": (bytes(part_zero), False), "map overlapping": (bytes(overlap), False),
+            "map beyond the image": (bytes(beyond), False), "version 3": (bytes(version_3), False),
+            "v2 truncated": (v2[:-1], False), "v2 header only": (v2[:resumepack.HEADER_V2.size - 1], False)}
+
+
+@pytest.mark.parametrize("case", _pack_cases())
+def test_resume_pack_same_in_both(codec: Path, tmp_path: Path, case: str) -> None:
+    """A resume pack payload (doc/parcel-format.md, "Resume pack"), with or without the map of the parts to
+    come: both readers take the same extents and map, and refuse the same damage; both allow the same most
+    parts."""
+    payload, accepted = _pack_cases()[case]
+    size = 1 << 20
+    (tmp_path / "pack").write_bytes(payload)
+    if accepted:
+        extents, parts_map = resumepack.decode(payload, size), resumepack.decode_map(payload, size)
+        out = run_codec(codec, "pack-parse", size, tmp_path / "pack")
+        assert out == {"extents": str(len(extents)), "bytes": str(sum(e.length for e, _ in extents)),
+                       "map": str(len(parts_map)), "map_parts": str(max((e.part for e in parts_map), default=0)),
+                       "parts_max": str(resumepack.PARTS_MAX)}
+        codec_refuses(codec, "pack-parse", 2 * size, tmp_path / "pack", reason="for an image of")
+    else:
+        with pytest.raises(FormatError):
+            resumepack.decode(payload, size)
+        codec_refuses(codec, "pack-parse", size, tmp_path / "pack", reason="resume pack rejected")

@@ -847,9 +847,36 @@ def test_resume_pack_round_trip_and_refusals() -> None:
         resumepack.decode(bytes(overlapping), size)
 
 
+def test_resume_pack_version_2_carries_the_map_of_the_parts_to_come() -> None:
+    size = 1 << 20
+    entries = [resumepack.MapEntry(0, 8192, 1), resumepack.MapEntry(65536, 4096, 255)]
+    payload = resumepack.encode(size, [(4096, b"a" * 100)], entries)
+    assert payload[4] == 2 and resumepack.decode_map(payload, size) == entries
+    assert [(e.offset, bytes(data)) for e, data in resumepack.decode(payload, size)] == [(4096, b"a" * 100)]
+    # Without a map the payload stays version 1, which readers before the map take.
+    assert resumepack.encode(size, [(4096, b"a")])[4] == 1
+    for bad, why in (([resumepack.MapEntry(0, 4096, 0)], "names part 0"),
+                     ([resumepack.MapEntry(0, 4096, resumepack.PARTS_MAX)], f"names part {resumepack.PARTS_MAX}"),
+                     ([resumepack.MapEntry(8192, 4096, 1), resumepack.MapEntry(0, 4096, 2)], "map entry 1 is empty"),
+                     ([resumepack.MapEntry(size - 4096, 8192, 1)], "beyond the image")):
+        with pytest.raises(FormatError, match=why):
+            resumepack.encode(size, [], bad)
+    # A reader checks the map as strictly as the extents.
+    damaged = bytearray(payload)
+    resumepack.MAP_ENTRY.pack_into(damaged, resumepack.HEADER_V2.size + resumepack.EXTENT.size, 0, 8192, 0)
+    with pytest.raises(FormatError, match="names part 0"):
+        resumepack.decode(bytes(damaged), size)
+    with pytest.raises(FormatError, match="do not fit"):
+        resumepack.decode(payload[:resumepack.HEADER_V2.size + 20], size)
+    assert resumepack.part_index("resumepack") == 0 and resumepack.part_index("resumepack.17") == 17
+    for name in ("resumepack.0", "resumepack.017", "resumepack.x", f"resumepack.{resumepack.PARTS_MAX}", "devstate"):
+        with pytest.raises(FormatError, match="does not name a resume pack part"):
+            resumepack.part_index(name)
+
+
 def test_resume_pack_parts_are_named_in_order() -> None:
     assert [resumepack.part_name(i) for i in range(3)] == ["resumepack", "resumepack.1", "resumepack.2"]
     assert resumepack.is_part("resumepack") and resumepack.is_part("resumepack.31")
     assert not resumepack.is_part("resumepack.x") and not resumepack.is_part("devstate")
-    with pytest.raises(FormatError, match="at most 32 parts"):
+    with pytest.raises(FormatError, match=f"at most {resumepack.PARTS_MAX} parts"):
         resumepack.part_name(resumepack.PARTS_MAX)

@@ -80,6 +80,27 @@ def test_build_reads_the_chosen_bytes_back_from_the_memory_image(tmp_path: Path)
     assert pack.build(empty, memory, len(image)) == []
 
 
+def test_each_page_is_in_one_part_and_the_first_part_maps_the_others(tmp_path: Path) -> None:
+    trace = tmp_path / "t.trace"
+    # The guest reads page 2 twice (the second time inside a longer read) and pages 0-1 and 5 once.
+    trace.write_text("# vulpes-trace 3 disk.chunk_size=131072 memory.chunk_size=131072\n"
+                     "1.0 memory 0 r server 8192 4096\n"
+                     "1.1 memory 0 r server 0 12288\n"
+                     "1.2 memory 0 r server 20480 4096\n")
+    memory = tmp_path / "memory"
+    image = os.urandom(64 << 10)
+    memory.write_bytes(image)
+    payloads = pack.build(trace, memory, len(image), first=4096, part=4096)
+    layouts = [[(e.offset, e.length) for e, _ in resumepack.decode(p, len(image))] for p in payloads]
+    assert layouts == [[(8192, 4096)], [(0, 8192)], [(20480, 4096)]]       # page 2 only in the first part
+    assert resumepack.decode_map(payloads[0], len(image)) == [resumepack.MapEntry(0, 8192, 1),
+                                                               resumepack.MapEntry(20480, 4096, 2)]
+    assert all(p[4] == 1 for p in payloads[1:])                   # later parts carry no map
+    for p in payloads:
+        for e, data in resumepack.decode(p, len(image)):
+            assert bytes(data) == image[e.offset:e.offset + e.length]
+
+
 class PreloadRecorder:
     """Stands in for `isrctl.vulpes.Vulpes` where `pack.load` hands it the parts: records what it was given."""
 

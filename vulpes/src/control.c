@@ -137,33 +137,47 @@ static int hoard_target(json_t *value, HoardTarget *ret) {
         return 0;
 }
 
+/* The image an op names in "image", or NULL. */
+static Image *named_image(Control *c, json_t *request) {
+        const char *name = json_string_value(json_object_get(request, "image"));
+
+        for (int i = 0; name && i < _DAEMON_IMAGE_MAX; i++)
+                if (strcmp(name, daemon_image_name((DaemonImage) i)) == 0)
+                        return daemon_image(c->daemon, (DaemonImage) i);
+        return NULL;
+}
+
 /*
- * {"op": "preload", "image": "memory", "path": P}: the resume pack of an image, read from P (isr passes a
- * memfd as /proc/<pid>/fd/<n>, so the plaintext never touches a disk).
+ * {"op": "preload", "image": "memory", "path": P, "part": N}: part N (default 0) of the resume pack of an
+ * image, read from P (isr passes a memfd as /proc/<pid>/fd/<n>, so the plaintext never touches a disk).
+ * {"op": "preload", "image": "memory", "end": true}: no more parts will come.
  */
 static json_t *op_preload(Control *c, json_t *request) {
-        const char *name = json_string_value(json_object_get(request, "image"));
         const char *path = json_string_value(json_object_get(request, "path"));
-        Image *img = NULL;
+        json_t *part = json_object_get(request, "part");
+        Image *img = named_image(c, request);
         uint8_t *data;
         size_t len;
         int r;
 
-        for (int i = 0; name && i < _DAEMON_IMAGE_MAX; i++)
-                if (strcmp(name, daemon_image_name((DaemonImage) i)) == 0)
-                        img = daemon_image(c->daemon, (DaemonImage) i);
-        if (!img || !path)
-                return error_response("preload needs \"image\" (disk or memory) and \"path\"");
-        r = file_read_all(path, (size_t) (image_size(img) + (image_size(img) / 4096 + 1) * PACK_EXTENT_LEN +
-                                          PACK_HEADER_LEN), &data, &len);
+        if (img && json_is_true(json_object_get(request, "end"))) {
+                image_preload_end(img);
+                return ok_response();
+        }
+        if (!img || !path || (part && (!json_is_integer(part) || json_integer_value(part) < 0 ||
+                                       json_integer_value(part) >= IMAGE_PACKS_MAX)))
+                return error_response("preload needs \"image\" (disk or memory), \"path\" and a \"part\" from 0 "
+                                      "to %d, or \"end\": true", IMAGE_PACKS_MAX - 1);
+        r = file_read_all(path, (size_t) (image_size(img) + (image_size(img) / 4096 + 1) *
+                                          (PACK_EXTENT_LEN + PACK_MAP_LEN) + PACK_HEADER_V2_LEN), &data, &len);
         if (r < 0)
                 return error_response("failed to read the resume pack %s: %s", path, strerror(-r));
-        r = image_preload(img, data, len);
+        r = image_preload(img, data, len, part ? (uint32_t) json_integer_value(part) : 0);
         if (r < 0) {
                 crypto_wipe(data, len);
                 free(data);
-                return error_response(r == -EBUSY ? "the %s image has all the resume pack parts it takes" :
-                                      "the resume pack for the %s image is not valid", name);
+                return error_response(r == -EBUSY ? "the %s image has that resume pack part already" :
+                                      "the resume pack for the %s image is not valid", image_name(img));
         }
         return op_status(c);
 }

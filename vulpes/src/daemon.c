@@ -357,10 +357,12 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
                 fprintf(f,
                         "%s\"%s\":{\"size\":%llu,\"chunk_size\":%u,\"chunks\":%llu,\"records\":%llu,\"ram_bytes\":%llu,"
                         "\"dirty_chunks\":%llu,\"changed_chunks\":%llu,\"pending_uploads\":%llu,\"flush_error\":%d,"
-                        "\"pack_bytes\":%llu,\"dirty_bytes\":%llu,\"unreserved_chunks\":%llu}",
+                        "\"pack_bytes\":%llu,\"pack_parts\":%llu,\"pack_waits\":%llu,\"pack_wait_ms\":%llu,\"dirty_bytes\":%llu,"
+                        "\"unreserved_chunks\":%llu}",
                         i ? "," : "", image_names[i], U(st.size), st.chunk_size, U(st.chunks), U(st.records),
                         U(st.ram_bytes), U(st.dirty_chunks), U(st.changed_chunks), U(st.pending_uploads),
-                        st.flush_error, U(st.pack_bytes), U(st.dirty_bytes), U(st.unreserved_chunks));
+                        st.flush_error, U(st.pack_bytes), U(st.pack_parts), U(st.pack_waits), U(st.pack_wait_ms),
+                        U(st.dirty_bytes), U(st.unreserved_chunks));
         }
         fprintf(f,
                 "},\"io\":{\"bytes_read\":%llu,\"bytes_written\":%llu,\"chunks_read\":%llu,\"chunks_written\":%llu},"

@@ -78,6 +78,18 @@ typedef struct Pack {
         size_t n;
 } Pack;
 
+/*
+ * A read of bytes that the resume pack's map puts in a part still on its way waits for that part, rather than
+ * fetching the chunk (whose other pages the guest mostly does not touch, and whose transfer slows the pack's),
+ * if the part is at most PACK_WAIT_PARTS after the first part not here yet; a part further away would come too
+ * late, so its chunk is fetched.  If no part arrives for PACK_STALL_MS, the pack counts as ended: no read waits
+ * for it any more.
+ */
+enum {
+        PACK_WAIT_PARTS = 2,
+        PACK_STALL_MS = 2000,
+};
+
 typedef struct Chunk {
         uint8_t *data;
         uint8_t state;
@@ -128,6 +140,15 @@ struct Image {
         Pack packs[IMAGE_PACKS_MAX];
         size_t n_packs;
         uint64_t pack_bytes;
+        /* The map of the parts to come (from the part that had one), which parts are here, the first one that
+         * is not, when the last one came (CLOCK_MONOTONIC ns), whether no more will (image_preload_end). */
+        PackMapEntry *pack_map;
+        size_t pack_map_n;
+        bool pack_have[IMAGE_PACKS_MAX];
+        uint32_t pack_next;
+        uint64_t pack_progress_ns;
+        bool pack_ended;
+        uint64_t pack_waits, pack_wait_ns;
 
         pthread_mutex_t flush_lock;        /* one flush at a time */
         pthread_t flusher;
@@ -569,28 +590,90 @@ static bool in_pack(const Image *img, const void *p) {
         return false;
 }
 
-int image_preload(Image *img, uint8_t *payload, size_t len) {
-        PackExtent *extents;
+static uint64_t monotonic_ns(void) {
+        struct timespec ts;
+
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (uint64_t) ts.tv_sec * 1000000000ULL + (uint64_t) ts.tv_nsec;
+}
+
+int image_preload(Image *img, uint8_t *payload, size_t len, uint32_t part) {
+        PackInfo info;
         uint64_t bytes = 0;
-        size_t n;
         int r;
 
-        r = pack_parse(payload, len, img->size, &extents, &n);
+        if (part >= IMAGE_PACKS_MAX)
+                return -EINVAL;
+        r = pack_parse(payload, len, img->size, &info);
         if (r < 0)
                 return r;
-        for (size_t i = 0; i < n; i++)
-                bytes += extents[i].len;
+        for (size_t i = 0; i < info.n; i++)
+                bytes += info.extents[i].len;
         pthread_mutex_lock(&img->lock);
-        if (img->n_packs == IMAGE_PACKS_MAX) {
+        if (img->n_packs == IMAGE_PACKS_MAX || img->pack_have[part]) {
                 pthread_mutex_unlock(&img->lock);
-                free(extents);
+                pack_info_free(&info);
                 return -EBUSY;
         }
-        img->packs[img->n_packs++] = (Pack) { .payload = payload, .len = len, .extents = extents, .n = n };
+        img->packs[img->n_packs++] = (Pack) { .payload = payload, .len = len, .extents = info.extents, .n = info.n };
         img->pack_bytes += bytes;
+        img->pack_have[part] = true;
+        while (img->pack_next < IMAGE_PACKS_MAX && img->pack_have[img->pack_next])
+                img->pack_next++;
+        img->pack_progress_ns = monotonic_ns();
+        if (info.map && !img->pack_map) {
+                img->pack_map = info.map;
+                img->pack_map_n = info.n_map;
+        } else {
+                free(info.map);
+        }
+        pthread_cond_broadcast(&img->cond);
         pthread_mutex_unlock(&img->lock);
-        log_info("%s: resume pack part of %zu extents, %llu bytes", img->name, n, (unsigned long long) bytes);
+        log_info("%s: resume pack part %u of %zu extents, %llu bytes%s", img->name, part, info.n,
+                 (unsigned long long) bytes, info.map ? ", with the map of the parts to come" : "");
         return 0;
+}
+
+void image_preload_end(Image *img) {
+        pthread_mutex_lock(&img->lock);
+        img->pack_ended = true;
+        pthread_cond_broadcast(&img->cond);
+        pthread_mutex_unlock(&img->lock);
+}
+
+/*
+ * Whether a read of [pos, pos + len) should wait for a part of the resume pack on its way (see PACK_WAIT_PARTS);
+ * if so, waits (under lock) until a part comes, the pack ends or stalls, and returns true: the caller looks
+ * again.
+ */
+static bool pack_wait_locked(Image *img, uint64_t pos, size_t len) {
+        const PackMapEntry *e;
+        uint64_t now, deadline_ns;
+        struct timespec deadline;
+
+        if (img->pack_ended || !img->pack_map)
+                return false;
+        e = pack_map_find(img->pack_map, img->pack_map_n, pos);
+        if (!e || pos + len > e->offset + e->len || e->part >= IMAGE_PACKS_MAX || img->pack_have[e->part] ||
+            e->part > img->pack_next + PACK_WAIT_PARTS - 1)
+                return false;
+        now = monotonic_ns();
+        deadline_ns = img->pack_progress_ns + (uint64_t) PACK_STALL_MS * 1000000ULL;
+        if (now >= deadline_ns) {
+                log_info("%s: no resume pack part for %d ms: reads no longer wait for the pack", img->name,
+                         PACK_STALL_MS);
+                img->pack_ended = true;
+                return false;
+        }
+        /* img->cond waits on CLOCK_REALTIME: the deadline is the monotonic one, moved to that clock. */
+        clock_gettime(CLOCK_REALTIME, &deadline);
+        deadline_ns = (uint64_t) deadline.tv_sec * 1000000000ULL + (uint64_t) deadline.tv_nsec + (deadline_ns - now);
+        deadline.tv_sec = (time_t) (deadline_ns / 1000000000ULL);
+        deadline.tv_nsec = (long) (deadline_ns % 1000000000ULL);
+        img->pack_waits++;
+        pthread_cond_timedwait(&img->cond, &img->lock, &deadline);
+        img->pack_wait_ns += monotonic_ns() - now;
+        return true;
 }
 
 size_t image_read_pieces_max(const Image *img, size_t len) {
@@ -636,6 +719,10 @@ ssize_t image_read_pin(Image *img, size_t len, uint64_t offset, struct iovec *io
                                 iov[n++] = (struct iovec) { .iov_base = (void *) p, .iov_len = piece };
                                 account(img, idx, TRACE_READ, STATS_TIER_PACK, pos, piece);
                                 done += piece;
+                                continue;
+                        }
+                        if (pack_wait_locked(img, pos, piece)) {
+                                pthread_mutex_unlock(&img->lock);
                                 continue;
                         }
                 }
@@ -1247,6 +1334,7 @@ Image *image_free(Image *img) {
                 free(img->packs[i].payload);
                 free(img->packs[i].extents);
         }
+        free(img->pack_map);
         free(img->chunks);
         free(img->records);
         free(img->present);
@@ -1380,6 +1468,9 @@ void image_status(Image *img, ImageStatus *ret) {
         ret->dirty_chunks = img->dirty_chunks;
         ret->flush_error = img->flush_error;
         ret->pack_bytes = img->pack_bytes;
+        ret->pack_parts = img->n_packs;
+        ret->pack_waits = img->pack_waits;
+        ret->pack_wait_ms = img->pack_wait_ns / 1000000;
         ret->dirty_bytes = img->dirty_bytes;
         for (uint64_t i = 0, seen = 0; i < img->n_chunks && seen < img->dirty_chunks; i++)
                 if (img->chunks[i].dirty) {

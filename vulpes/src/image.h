@@ -10,6 +10,7 @@
 #include "cache.h"
 #include "fetch.h"
 #include "lookaside.h"
+#include "pack.h"
 #include "stats.h"
 #include "trace.h"
 
@@ -42,6 +43,9 @@ typedef struct ImageStatus {
         uint64_t pending_uploads;      /* objects the server may not have yet */
         int flush_error;               /* last background flush failure (negative errno) or 0 */
         uint64_t pack_bytes;           /* plaintext in the resume pack (image_preload) */
+        uint64_t pack_parts;           /* its parts here */
+        uint64_t pack_waits;           /* reads that waited for a part on its way, and for how long in all */
+        uint64_t pack_wait_ms;
         uint64_t dirty_bytes;          /* plaintext of the dirty chunks */
         uint64_t unreserved_chunks;    /* dirty chunks without room reserved in the cache (see image_open()) */
 } ImageStatus;
@@ -105,14 +109,18 @@ ssize_t image_read_pin(Image *img, size_t len, uint64_t offset, struct iovec *io
 void image_read_release(Image *img, const struct iovec *iov, size_t n, uint64_t offset);
 
 /*
- * Takes one part of this image's resume pack (its payload, vulpes/src/pack.h, malloc()ed; owned by the image
- * from then on, wiped when it is freed): reads of bytes a part holds, in chunks that are not in RAM and have
- * not been written since, are served from it without loading the chunk.  Parts may come while the guest
- * runs, up to IMAGE_PACKS_MAX (-EBUSY after); -EBADMSG if the payload is not a pack for this image (then the
- * caller keeps it).
+ * Takes part `part` of this image's resume pack (its payload, vulpes/src/pack.h, malloc()ed; owned by the
+ * image from then on, wiped when it is freed): reads of bytes a part holds, in chunks that are not in RAM and
+ * have not been written since, are served from it without loading the chunk.  Parts may come while the guest
+ * runs, in any order, each once (-EBUSY for a part already here; -EINVAL for an index of IMAGE_PACKS_MAX or
+ * more); -EBADMSG if the payload is not a pack for this image (then the caller keeps it).  The first part with
+ * a map makes reads of the bytes it puts in a part soon to come wait for that part (image.c, PACK_WAIT_PARTS)
+ * until image_preload_end().
  */
-#define IMAGE_PACKS_MAX 32
-int image_preload(Image *img, uint8_t *payload, size_t len);
+#define IMAGE_PACKS_MAX PACK_PARTS_MAX
+int image_preload(Image *img, uint8_t *payload, size_t len, uint32_t part);
+/* No more parts will come: no read waits for one any more. */
+void image_preload_end(Image *img);
 
 /*
  * Makes every write acknowledged before the call durable: dirty chunks are re-encoded (new convergent

@@ -7,6 +7,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -14,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -289,19 +291,23 @@ static void test_resume_pack(void **state) {
         /* A pack for another image size, or with a wrong magic, is refused and not kept. */
         pack = make_pack(IMAGE_BYTES + CS, 2 * CS + 100, 0x42, 3 * CS, 0x77, 800, &pack_len);
         log_set_max_level(LOG_EMERG);
-        assert_int_equal(image_preload(img, pack, pack_len), -EBADMSG);
+        assert_int_equal(image_preload(img, pack, pack_len, 0), -EBADMSG);
         pack[0] = 'X';
         put_be(pack + 8, IMAGE_BYTES, 8);
-        assert_int_equal(image_preload(img, pack, pack_len), -EBADMSG);
+        assert_int_equal(image_preload(img, pack, pack_len, 0), -EBADMSG);
         log_set_max_level(LOG_INFO);
         free(pack);
 
         /* Chunk 2's bytes as they are; chunk 3's made up, to show where a read is served from. */
         pack = make_pack(IMAGE_BYTES, 2 * CS + 100, 0x42, 3 * CS, 0x77, 800, &pack_len);
-        assert_int_equal(image_preload(img, pack, pack_len), 0);
+        assert_int_equal(image_preload(img, pack, pack_len, 0), 0);
         /* A second part may come later, overlapping the first (both hold the same version's bytes). */
         pack = make_pack(IMAGE_BYTES, 2 * CS + 500, 0x42, 5 * CS, 0x55, 1000, &pack_len);
-        assert_int_equal(image_preload(img, pack, pack_len), 0);
+        assert_int_equal(image_preload(img, pack, pack_len, 1), 0);
+        /* Each part comes once. */
+        pack = make_pack(IMAGE_BYTES, 2 * CS + 500, 0x42, 5 * CS, 0x55, 1000, &pack_len);
+        assert_int_equal(image_preload(img, pack, pack_len, 1), -EBUSY);
+        free(pack);
         image_status(img, &st);
         assert_int_equal(st.pack_bytes, 3600);
 
@@ -324,6 +330,123 @@ static void test_resume_pack(void **state) {
         memset(data, 0x43, 800);
         assert_memory_equal(buf, data, 800);
         assert_int_equal(f->stats.hits[STATS_TIER_PACK], 3);
+        image_free(img);
+}
+
+/* A version-2 pack: extents (each filled with its own byte) and a map of the parts to come. */
+typedef struct TestExtent {
+        uint64_t offset;
+        uint32_t len, fill_or_part;
+} TestExtent;
+
+static uint8_t *make_pack_v2(const TestExtent *extents, size_t n, const TestExtent *map, size_t n_map,
+                             size_t *ret_len) {
+        size_t total = PACK_HEADER_V2_LEN + n * PACK_EXTENT_LEN + n_map * PACK_MAP_LEN, at;
+        uint8_t *p;
+
+        for (size_t i = 0; i < n; i++)
+                total += extents[i].len;
+        p = malloc(total);
+        memcpy(p, "ISRP\2\0\0\0", 8);
+        at = 8;
+        at += put_be(p + at, IMAGE_BYTES, 8);
+        at += put_be(p + at, n, 8);
+        at += put_be(p + at, n_map, 8);
+        for (size_t i = 0; i < n; i++) {
+                at += put_be(p + at, extents[i].offset, 8);
+                at += put_be(p + at, extents[i].len, 4);
+        }
+        for (size_t i = 0; i < n_map; i++) {
+                at += put_be(p + at, map[i].offset, 8);
+                at += put_be(p + at, map[i].len, 4);
+                at += put_be(p + at, map[i].fill_or_part, 4);
+        }
+        for (size_t i = 0; i < n; i++) {
+                memset(p + at, (int) extents[i].fill_or_part, extents[i].len);
+                at += extents[i].len;
+        }
+        *ret_len = total;
+        return p;
+}
+
+typedef struct PackReader {
+        Image *img;
+        uint64_t offset;
+        uint8_t buf[100];
+        ssize_t r;
+} PackReader;
+
+static void *pack_reader(void *userdata) {
+        PackReader *pr = userdata;
+
+        pr->r = image_read(pr->img, pr->buf, sizeof(pr->buf), pr->offset);
+        return NULL;
+}
+
+static double seconds_since(const struct timespec *start) {
+        struct timespec now;
+
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        return (double) (now.tv_sec - start->tv_sec) + (double) (now.tv_nsec - start->tv_nsec) / 1e9;
+}
+
+/*
+ * The map of a version-2 pack: a read of bytes in a part soon to come waits for it instead of fetching the
+ * chunk (here the chunks exist nowhere, so a read that does not wait fails); one in a part further away, or
+ * after the end, or once no part came for PACK_STALL_MS, does not wait.
+ */
+static void test_resume_pack_map_waits(void **state) {
+        Fixture *f = *state;
+        const TestExtent first[] = { { 10 * CS, 100, 0x11 } };
+        const TestExtent map[] = { { 4 * CS, CS, 1 }, { 6 * CS, CS, 2 }, { 8 * CS, CS, 5 } };
+        const TestExtent second[] = { { 4 * CS, CS, 0x44 } };
+        uint8_t data[CS], *pack;
+        size_t pack_len;
+        ImageStatus st;
+        PackReader pr;
+        pthread_t reader;
+        struct timespec start;
+        Image *img = open_image(f, 64 * CS);
+
+        for (uint64_t idx = 4; idx <= 8; idx += 2) {
+                memset(data, (int) (0x40 + idx), sizeof(data));
+                assert_int_equal(image_write(img, data, CS, idx * CS), CS);
+        }
+        for (uint64_t idx = 4; idx <= 8; idx += 2)
+                img = reopen_without(f, img, idx);
+        log_set_max_level(LOG_EMERG);        /* the expected error lines */
+        pack = make_pack_v2(first, 1, map, 3, &pack_len);
+        assert_int_equal(image_preload(img, pack, pack_len, 0), 0);
+
+        /* Part 5 is too far ahead: the chunk is fetched (and fails) at once. */
+        assert_int_equal(image_read(img, data, 10, 8 * CS), -EIO);
+        /* Part 1 is next: the read waits for it and gets its bytes. */
+        pr = (PackReader) { .img = img, .offset = 4 * CS + 20 };
+        assert_int_equal(pthread_create(&reader, NULL, pack_reader, &pr), 0);
+        usleep(100 * 1000);
+        pack = make_pack_v2(second, 1, NULL, 0, &pack_len);
+        assert_int_equal(image_preload(img, pack, pack_len, 1), 0);
+        assert_int_equal(pthread_join(reader, NULL), 0);
+        assert_int_equal(pr.r, 100);
+        memset(data, 0x44, 100);
+        assert_memory_equal(pr.buf, data, 100);
+        image_status(img, &st);
+        assert_true(st.pack_waits >= 1);
+        assert_int_equal(st.pack_parts, 2);
+        /* After the end, a read of part 2 (now next) does not wait. */
+        image_preload_end(img);
+        assert_int_equal(image_read(img, data, 10, 6 * CS), -EIO);
+
+        /* A pack whose parts stop coming: the read waits PACK_STALL_MS after the last part, then fetches. */
+        image_free(img);
+        img = open_image(f, 64 * CS);
+        pack = make_pack_v2(first, 1, map, 3, &pack_len);
+        clock_gettime(CLOCK_MONOTONIC, &start);
+        assert_int_equal(image_preload(img, pack, pack_len, 0), 0);
+        assert_int_equal(image_read(img, data, 10, 4 * CS), -EIO);
+        assert_true(seconds_since(&start) >= 1.9);
+        assert_int_equal(image_read(img, data, 10, 6 * CS), -EIO);     /* the pack has ended: no second wait */
+        log_set_max_level(LOG_INFO);
         image_free(img);
 }
 
@@ -401,6 +524,7 @@ int main(void) {
                 cmocka_unit_test_setup_teardown(test_ram_bound_and_uploads, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_missing_everywhere_is_eio, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_resume_pack, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_resume_pack_map_waits, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_punch, setup, teardown),
                 cmocka_unit_test(test_trace_format),
         };

@@ -26,6 +26,7 @@
 #include "keyring.h"
 #include "log.h"
 #include "manifest.h"
+#include "pack.h"
 #include "seal.h"
 
 #define FILE_MAX ((size_t) 1 << 32)
@@ -45,7 +46,9 @@ static const char usage_text[] =
         "  keyring-digest DB                               prints digest=, size=\n"
         "  keyring-wrap PK_HEX KEY_HEX                     prints wkey=\n"
         "  keyring-unwrap PK_HEX WKEY_HEX                  prints key=\n"
-        "  manifest-open PK_HEX UUID VERSION IN            prints the fields vulpes reads\n";
+        "  manifest-open PK_HEX UUID VERSION IN            prints the fields vulpes reads\n"
+        "  pack-parse IMAGE_SIZE IN                        prints extents=, bytes=, map=, map_parts= (a resume\n"
+        "                                                  pack payload), parts_max=\n";
 
 /* Prints the one-line error and returns the exit status for a failure. */
 static int fail(int r, const char *format, ...) __attribute__((format(printf, 2, 3)));
@@ -592,6 +595,38 @@ static int cmd_manifest_open(int argc, char **argv) {
         return 0;
 }
 
+static int cmd_pack_parse(int argc, char **argv) {
+        uint64_t image_size, bytes = 0, parts = 0;
+        uint8_t *data = NULL;
+        PackInfo info;
+        size_t len;
+        char *end;
+        int r;
+
+        if (argc != 2)
+                return usage_error("pack-parse takes IMAGE_SIZE IN");
+        image_size = strtoull(argv[0], &end, 10);
+        if (!*argv[0] || *end)
+                return usage_error("IMAGE_SIZE must be a decimal integer");
+        r = file_read_all(argv[1], FILE_MAX, &data, &len);
+        if (r < 0)
+                return fail(r, "failed to read %s", argv[1]);
+        r = pack_parse(data, len, image_size, &info);
+        if (r < 0) {
+                free(data);
+                return fail(r, "not a resume pack for an image of %" PRIu64 " bytes", image_size);
+        }
+        for (size_t i = 0; i < info.n; i++)
+                bytes += info.extents[i].len;
+        for (size_t i = 0; i < info.n_map; i++)
+                parts = info.map[i].part > parts ? info.map[i].part : parts;
+        printf("extents=%zu\nbytes=%" PRIu64 "\nmap=%zu\nmap_parts=%" PRIu64 "\nparts_max=%d\n", info.n, bytes,
+               info.n_map, parts, PACK_PARTS_MAX);
+        pack_info_free(&info);
+        free(data);
+        return 0;
+}
+
 static const struct {
         const char *name;
         int (*run)(int argc, char **argv);
@@ -609,6 +644,7 @@ static const struct {
         { "keyring-wrap", cmd_keyring_wrap, false },
         { "keyring-unwrap", cmd_keyring_unwrap, false },
         { "manifest-open", cmd_manifest_open, false },
+        { "pack-parse", cmd_pack_parse, false },
 };
 
 int main(int argc, char **argv) {
