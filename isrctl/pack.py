@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from pathlib import Path
 
 from parcels import resumepack, seal
@@ -36,12 +37,21 @@ from .vulpes import Vulpes
 
 log = logging.getLogger(__name__)
 
-#: The most plaintext a pack holds (2,048 pages). Of the pages a hop-2 test guest touched before it answered,
-#: 80-90 % were among the first 1,536 its previous session touched, and most of the rest among the next 512
-#: (BENCHMARKS.md, "the memory mount and a page-exact resume pack"): 6 MiB answered at 11.0 s at 10 Mbit/s,
-#: 8 MiB at 6.8 s, 16 MiB at 7.6-8.2 s, whose last parts the guest did not need yet and whose pages come again
-#: with their chunks.
+#: The plaintext a pack holds at least (2,048 pages). Of the pages a hop-2 test guest touched before it
+#: answered, 80-90 % were among the first 1,536 its previous session touched, and most of the rest among the
+#: next 512 (BENCHMARKS.md, "the memory mount and a page-exact resume pack"): 6 MiB answered at 11.0 s at
+#: 10 Mbit/s, 8 MiB at 6.8 s, 16 MiB at 7.6-8.2 s, whose last parts the guest did not need yet and whose pages
+#: come again with their chunks.
 PACK_BYTES = 8 << 20
+#: The plaintext a pack holds at most (8,192 pages). On a fast link the guest reaches pages beyond the first
+#: 2,048 (30 chunk misses at 100 Mbit/s, one round trip each) while a longer pack would already be here: with
+#: 32 MiB the guest answered after 1.4 s instead of 2.4 s (BENCHMARKS.md, "a map in the resume pack").
+PACK_BYTES_MAX = 32 << 20
+#: A pack costs about this much of the link at the suspend that makes it (its upload), and may cost this much
+#: at a resume beyond its first `PACK_BYTES` (`load`): on a 10 Mbit/s link 32 MiB would be 8 s at both ends.
+PACK_LINK_SECONDS = 1.0
+#: Plaintext per byte on the link (measured: 8 MiB sealed to 2.6-3.0 MB, 32 MiB to 9-12 MB).
+PACK_RATIO = 2.8
 #: The plaintext of the first part (256 pages), fetched before the guest starts (compressed, about 0.3 MB:
 #: 0.03 s at 100 Mbit/s, 0.3 s at 10, 3 s at 1).
 FIRST_PART_BYTES = 1 << 20
@@ -51,6 +61,14 @@ FIRST_PART_BYTES = 1 << 20
 #: before it answers) and doubled the time to the answer.
 PART_BYTES = 256 << 10
 _PAGE = 4096
+
+
+def limit(rate_peak: float) -> int:
+    """The plaintext of the pack a session makes whose link carried ``rate_peak`` bytes/s at best (vulpes's
+    ``fetch.rate_peak``; 0: not measured): what crosses in about `PACK_LINK_SECONDS`, whole pages, from
+    `PACK_BYTES` to `PACK_BYTES_MAX`."""
+    fits = int(rate_peak * PACK_LINK_SECONDS * PACK_RATIO) // _PAGE * _PAGE
+    return max(PACK_BYTES, min(PACK_BYTES_MAX, fits))
 
 
 def first_touches(trace: Path, image: str, limit: int) -> list[tuple[int, int]]:
@@ -182,25 +200,40 @@ def worth_loading(state: ParcelState, manifest: Manifest) -> bool:
 
 
 def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, vulpes: Vulpes,
-         names: list[str]) -> int:
+         names: list[str], *, keep: int | None = None, seconds: float = PACK_LINK_SECONDS) -> int:
     """Fetch the pack parts ``names`` in one request that streams them in order (`Remote.get_blobs`), check each
     as it arrives and hand it to vulpes; returns their plaintext bytes.
+
+    With ``keep``, once that much plaintext is here the loading stops where the parts still to come would take
+    more than ``seconds`` at the pace the parts came so far: a pack made on a fast link would hold a
+    slow one's guest misses back (its parts cross while the guest waits for chunks) for pages the guest touches
+    far later, if at all.
 
     A part that cannot be had or is damaged, or an answer that breaks off before it, ends the loading with a
     warning: the parts before it stay loaded, and the resume fetches the other chunks as it would without a
     pack."""
-    used = loaded = 0
+    used = loaded = opened = 0
+    started = time.monotonic()
+    size = manifest.images["memory"].size
     try:
         with contextlib.closing(remote.get_blobs(state.parcel, manifest.version, names)) as arriving:
             for name, sealed in arriving:
                 payload = open_blob(parcel_keys.parcel_key, sealed, manifest, name)
-                size = manifest.images["memory"].size
                 part = sum(extent.length for extent, _ in resumepack.decode(payload, size))
                 vulpes.preload("memory", payload, part=resumepack.part_index(name))
                 used += part
                 loaded += 1
+                opened += len(payload)
                 log.info("resume pack %s: %d bytes of memory served before their chunks (%d bytes crossed the "
                          "link)", name, part, len(sealed))
+                if keep is not None and used >= keep and loaded < len(names):
+                    rest = sum(manifest.blobs[n].size for n in names[loaded:])       # payloads, as `opened`
+                    pace = opened / max(time.monotonic() - started, 1e-3)
+                    if rest > pace * seconds:
+                        log.info("resume pack: its last %d parts (%d bytes of payload) are not fetched: at the pace "
+                                 "of the others they would take %.1f s", len(names) - loaded, rest, rest / pace)
+                        break
     except (IsrError, ParcelError, OSError) as exc:
-        log.warning("the resume pack of version %d is not used from %s on: %s", manifest.version, names[loaded], exc)
+        log.warning("the resume pack of version %d is not used from %s on: %s", manifest.version,
+                    names[min(loaded, len(names) - 1)], exc)
     return used

@@ -991,7 +991,8 @@ class Session:
             def rest() -> None:
                 try:
                     with client.new_remote() as remote:
-                        pack.load(remote, self.state, manifest, self.keys, vulpes, names[1:])
+                        pack.load(remote, self.state, manifest, self.keys, vulpes, names[1:],
+                                  keep=max(0, pack.PACK_BYTES - used))
                 finally:
                     with contextlib.suppress(IsrError):
                         vulpes.preload_end("memory")     # no read waits for a part that will not come
@@ -1008,7 +1009,15 @@ class Session:
             return []
         made = []
         try:
-            payloads = pack.build(self.trace_path, self.vulpes.memory, self.manifest.images["memory"].size)
+            try:
+                rate_peak = float(self.vulpes.status().get("fetch", {}).get("rate_peak") or 0)
+            except VulpesFailure:
+                rate_peak = 0
+            limit = pack.limit(rate_peak)
+            payloads = pack.build(self.trace_path, self.vulpes.memory, self.manifest.images["memory"].size,
+                                  limit=limit)
+            log.info("resume pack: %d parts of at most %d MiB (the link carried %.1f MB/s at best)", len(payloads),
+                     limit >> 20, rate_peak / 1e6)
             for index, payload in enumerate(payloads):
                 write_file(self.state.local_pack_path(index), pack.seal_pack(self.keys, payload))
                 made.append({"sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)})

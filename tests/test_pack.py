@@ -16,7 +16,7 @@ import pytest
 from isrctl import pack
 from parcels import resumepack, seal
 from parcels.crypto import sha256
-from parcels.manifest import BlobInfo, ImageInfo
+from parcels.manifest import BlobInfo, ImageInfo, Manifest
 from tests.server_fixtures import ServerEnv, server_env  # noqa: F401
 from tests.test_format import sample_manifest
 
@@ -112,6 +112,18 @@ class PreloadRecorder:
         self.payloads.append(payload)
 
 
+def pack_manifest(parcel: str, version: int, image_size: int, parts: dict[str, bytes]) -> Manifest:
+    """A manifest of ``version`` whose memory image has ``image_size`` bytes and whose blobs are the pack
+    ``parts`` (name: payload)."""
+    base = sample_manifest(version)
+    return dataclasses.replace(
+        base, parcel=uuid.UUID(parcel),
+        images={**base.images, "memory": ImageInfo(size=image_size, keyring_sha256=bytes(32), keyring_size=28,
+                                                   chunks=0)},
+        blobs={name: BlobInfo(kind=seal.KIND_DEVSTATE, sha256=sha256(payload), size=len(payload))
+               for name, payload in parts.items()})
+
+
 @pytest.mark.parametrize("server_env", ["sqlite-directory"], indirect=True)
 def test_load_takes_the_parts_from_one_bundle_until_one_is_damaged(server_env: ServerEnv,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
@@ -135,13 +147,7 @@ def test_load_takes_the_parts_from_one_bundle_until_one_is_damaged(server_env: S
             remote.commit(parcel, nonce, version - 1, list(blobs), [])
         remote.release(parcel, nonce)
         for version, loaded in ((1, 3), (2, 1)):
-            base = sample_manifest(version)
-            manifest = dataclasses.replace(
-                base, parcel=uuid.UUID(parcel),
-                images={**base.images, "memory": ImageInfo(size=image_size, keyring_sha256=bytes(32),
-                                                           keyring_size=28, chunks=0)},
-                blobs={name: BlobInfo(kind=seal.KIND_DEVSTATE, sha256=sha256(payload), size=len(payload))
-                       for name, payload in zip(names, payloads)})
+            manifest = pack_manifest(parcel, version, image_size, dict(zip(names, payloads)))
             vulpes = PreloadRecorder()
             requests: list[str] = []
             remote.client.event_hooks["request"] = [lambda request: requests.append(request.url.path)]
@@ -156,3 +162,44 @@ def test_load_takes_the_parts_from_one_bundle_until_one_is_damaged(server_env: S
                 assert warnings == []
             else:
                 assert len(warnings) == 1 and "version 2 is not used from resumepack.1 on" in warnings[0]
+
+
+@pytest.mark.parametrize("server_env", ["sqlite-directory"], indirect=True)
+def test_load_with_keep_stops_where_the_rest_would_take_too_long(server_env: ServerEnv,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Past ``keep`` bytes of plaintext, `pack.load` stops where the parts still to come would take longer than
+    ``seconds`` at the pace the others came (none here: it stops at once); with time to spare it takes all."""
+    parcel = server_env.new_parcel("alice")
+    key = os.urandom(32)
+    image_size = 1 << 20
+    payloads = [resumepack.encode(image_size, [(index * 8192, os.urandom(4096))]) for index in range(4)]
+    names = [resumepack.part_name(index) for index in range(4)]
+    with server_env.client("alice") as remote:
+        nonce = remote.acquire(parcel, host="laptop")["nonce"]
+        blobs = {"manifest": b"m", "keyring.disk": b"k", "keyring.memory": b"k",
+                 **{name: seal.seal(key, seal.KIND_DEVSTATE, payload) for name, payload in zip(names, payloads)}}
+        for name, data in blobs.items():
+            remote.put_blob(parcel, name, data, nonce)
+        remote.commit(parcel, nonce, 0, list(blobs), [])
+        remote.release(parcel, nonce)
+        manifest = pack_manifest(parcel, 1, image_size, dict(zip(names, payloads)))
+        for keep, seconds, loaded in ((8192, 0.0, 2), (0, 0.0, 1), (8192, 1e9, 4), (None, 0.0, 4)):
+            vulpes = PreloadRecorder()
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="isrctl.pack"):
+                used = pack.load(remote, SimpleNamespace(parcel=parcel), manifest,  # type: ignore[arg-type]
+                                 SimpleNamespace(parcel_key=key), vulpes, names,  # type: ignore[arg-type]
+                                 keep=keep, seconds=seconds)
+            assert (used, vulpes.payloads) == (loaded * 4096, payloads[:loaded]), (keep, seconds)
+            stopped = [r.getMessage() for r in caplog.records if "are not fetched" in r.getMessage()]
+            assert len(stopped) == (loaded < 4) and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        # The connection the stopped bundle left is not needed again: the next request goes through.
+        assert remote.get_blob(parcel, 1, names[3]) == blobs[names[3]]
+
+
+def test_limit_is_about_a_second_of_the_link_within_bounds() -> None:
+    assert pack.limit(0) == pack.PACK_BYTES                          # nothing measured
+    assert pack.limit(1.2e6) == pack.PACK_BYTES                      # 10 Mbit/s: the least
+    assert pack.limit(12e6) == pack.PACK_BYTES_MAX                   # 100 Mbit/s: the most
+    middle = pack.limit(5e6)
+    assert pack.PACK_BYTES < middle < pack.PACK_BYTES_MAX and middle % 4096 == 0

@@ -1129,6 +1129,7 @@ void fetch_status(Fetcher *f, FetchStatus *ret) {
         ret->hoard_limit = background_limit_locked(f, now);
         ret->rtt_min_us = pace_rtt_min_us(&f->pace);
         ret->rate = pace_rate(&f->pace, now);
+        ret->rate_peak = pace_rate_peak(&f->pace);
         snprintf(ret->last_error, sizeof(ret->last_error), "%s", f->last_error);
         pthread_mutex_unlock(&f->lock);
 }

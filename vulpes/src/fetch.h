@@ -49,6 +49,7 @@ typedef struct FetchStatus {
         unsigned hoard_limit;          /* how many may run now (pace.c) */
         uint64_t rtt_min_us;           /* lowest time to first byte lately (0: not measured) */
         uint64_t rate;                 /* highest delivery rate of the last second, bytes/s */
+        uint64_t rate_peak;            /* highest delivery rate ever, bytes/s */
         char last_error[200];
 } FetchStatus;
 

@@ -72,6 +72,8 @@ void pace_completed(Pace *p, uint64_t now_us, uint64_t ttfb_us, size_t object_by
 
                 sample->at_us = now_us;
                 sample->delivered = (p->delivered - then->delivered) * 1000000u / (now_us - then->at_us);
+                if (sample->delivered > p->rate_peak)
+                        p->rate_peak = sample->delivered;
                 p->next_rate = (p->next_rate + 1) % PACE_RATE_SAMPLES;
                 if (p->n_rates < PACE_RATE_SAMPLES)
                         p->n_rates++;
@@ -92,6 +94,10 @@ uint64_t pace_rate(const Pace *p, uint64_t now_us) {
                         best = s->delivered;
         }
         return best;
+}
+
+uint64_t pace_rate_peak(const Pace *p) {
+        return p->rate_peak;
 }
 
 uint64_t pace_object_time_us(const Pace *p, uint64_t now_us) {

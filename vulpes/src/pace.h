@@ -45,6 +45,7 @@ typedef struct Pace {
         unsigned rtt_period;                    /* the current minute's slot */
         uint64_t rtt_period_start_us;
         double object_bytes;            /* mean object size (moving average) */
+        uint64_t rate_peak;             /* the highest rate sample ever */
 } Pace;
 
 void pace_init(Pace *p, unsigned max_transfers);
@@ -71,6 +72,8 @@ unsigned pace_demand_limit(const Pace *p, uint64_t now_us);
 /* The current estimates, for the status report (0 where nothing has been measured yet). */
 uint64_t pace_rtt_min_us(const Pace *p);
 uint64_t pace_rate(const Pace *p, uint64_t now_us);
+/* The highest delivery rate ever seen, bytes/s (0: none yet): what this site's link can carry. */
+uint64_t pace_rate_peak(const Pace *p);
 
 /* How long one object of the mean size takes on the link at the current rate, µs (0: not measured). */
 uint64_t pace_object_time_us(const Pace *p, uint64_t now_us);

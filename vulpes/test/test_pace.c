@@ -73,6 +73,7 @@ static void test_starts_at_the_minimum(void **state) {
         pace_init(&p, 12);
         assert_int_equal(pace_background_limit(&p, 1000), PACE_MIN_TRANSFERS);
         assert_int_equal(pace_rate(&p, 1000), 0);
+        assert_int_equal(pace_rate_peak(&p), 0);
         assert_int_equal(pace_rtt_min_us(&p), 0);
 }
 
@@ -93,6 +94,10 @@ static void test_fills_a_fast_link(void **state) {
         assert_in_range(pace_background_limit(&p, link.free_at), 9, 11);
         assert_in_range(pace_rtt_min_us(&p), 20000, 21000);
         assert_in_range(pace_rate(&p, link.free_at), 11000000, 13000000);
+        /* The peak stays when the link goes quiet. */
+        assert_in_range(pace_rate_peak(&p), 11000000, 14000000);
+        assert_int_equal(pace_rate(&p, link.free_at + 2000000), 0);
+        assert_in_range(pace_rate_peak(&p), 11000000, 14000000);
         /* The queue it keeps stays near the target. */
         assert_true(queue < 2.0 * PACE_TARGET_US);
         /* While a guest misses: half the bandwidth-delay product, 125 KB, is 2 objects. */
@@ -114,6 +119,7 @@ static void test_slow_link_stays_at_the_minimum(void **state) {
         ideal = (uint64_t) (100.0 * 60000 / link.rate);
         assert_int_equal(peak, PACE_MIN_TRANSFERS);
         assert_true(took < ideal * 105 / 100);
+        assert_in_range(pace_rate_peak(&p), 110000, 140000);
         /* While a guest misses: none (half the bandwidth-delay product is 1.25 KB). */
         assert_int_equal(pace_demand_limit(&p, link.free_at), 0);
         /* A demand request arriving now waits behind at most the objects in flight: about two. */
