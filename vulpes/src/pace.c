@@ -72,11 +72,18 @@ void pace_completed(Pace *p, uint64_t now_us, uint64_t ttfb_us, size_t object_by
 
                 sample->at_us = now_us;
                 sample->delivered = (p->delivered - then->delivered) * 1000000u / (now_us - then->at_us);
-                if (sample->delivered > p->rate_peak)
-                        p->rate_peak = sample->delivered;
                 p->next_rate = (p->next_rate + 1) % PACE_RATE_SAMPLES;
                 if (p->n_rates < PACE_RATE_SAMPLES)
                         p->n_rates++;
+        }
+        if (!p->peak_window.at_us) {
+                p->peak_window = (PaceMark) { .at_us = now_us, .delivered = p->delivered };
+        } else if (now_us - p->peak_window.at_us >= PACE_PEAK_WINDOW_US) {
+                uint64_t rate = (p->delivered - p->peak_window.delivered) * 1000000u / (now_us - p->peak_window.at_us);
+
+                if (rate > p->rate_peak)
+                        p->rate_peak = rate;
+                p->peak_window = (PaceMark) { .at_us = now_us, .delivered = p->delivered };
         }
         p->marks[p->next_mark] = (PaceMark) { .at_us = now_us, .delivered = p->delivered };
         p->next_mark = (p->next_mark + 1) % PACE_DELIVERY_MARKS;

@@ -27,6 +27,7 @@ enum {
         PACE_RATE_SAMPLES = 64,
         PACE_DELIVERY_MARKS = 64,
         PACE_RTT_PERIODS = 10,          /* rtt_min: the lowest of one sample per minute */
+        PACE_PEAK_WINDOW_US = 1000000,
 };
 
 typedef struct PaceMark {
@@ -45,7 +46,8 @@ typedef struct Pace {
         unsigned rtt_period;                    /* the current minute's slot */
         uint64_t rtt_period_start_us;
         double object_bytes;            /* mean object size (moving average) */
-        uint64_t rate_peak;             /* the highest rate sample ever */
+        PaceMark peak_window;           /* where the current peak window started (time, delivered then) */
+        uint64_t rate_peak;             /* the highest rate over a whole window so far */
 } Pace;
 
 void pace_init(Pace *p, unsigned max_transfers);
@@ -72,7 +74,11 @@ unsigned pace_demand_limit(const Pace *p, uint64_t now_us);
 /* The current estimates, for the status report (0 where nothing has been measured yet). */
 uint64_t pace_rtt_min_us(const Pace *p);
 uint64_t pace_rate(const Pace *p, uint64_t now_us);
-/* The highest delivery rate ever seen, bytes/s (0: none yet): what this site's link can carry. */
+/*
+ * The highest delivery rate over back-to-back windows of PACE_PEAK_WINDOW_US or more between completions,
+ * bytes/s (0: none yet): what this site's link can carry.  The rate samples above span a few round trips,
+ * which a token bucket's burst can fill well above the link's rate (a 10 Mbit/s link read 32 Mbit/s).
+ */
 uint64_t pace_rate_peak(const Pace *p);
 
 /* How long one object of the mean size takes on the link at the current rate, µs (0: not measured). */
