@@ -5,13 +5,13 @@ A resumed guest does not need all of each 128 KiB chunk it faults on: before it 
 touches about 1,500 pages (6 MiB) of its memory image, spread over 150-250 chunks (BENCHMARKS.md, "the
 memory mount and a page-exact resume pack"). QEMU maps the image from vulpes's memory mount, whose kernel
 readahead is off, so vulpes's trace records each page the guest faulted on, one 4 KiB read each; the first
-`PACK_BYTES` of those pages after a resume, read back from the memory image at suspend, are the next
-resume's best prediction of what its guest touches first, as Firecracker's REAP records them (measured:
-96 % of the pages the next guest touched in its first 10 s were among the first 2,048 of them). They are
-packed in touch order: a first part of `FIRST_PART_BYTES`, which crosses the link before QEMU loads the
-device state, then smaller parts of `PART_BYTES`, which follow one after another while the guest runs (a
-guest miss that comes meanwhile waits behind one of them at most); vulpes serves their pages from RAM ahead
-of the chunks.
+of those pages after a resume (`limit`: about a second of the link, `PACK_BYTES` to `PACK_BYTES_MAX`), read
+back from the memory image at suspend, are the next resume's best prediction of what its guest touches first,
+as Firecracker's REAP records them (measured: 96 % of the pages the next guest touched in its first 10 s were
+among the first 2,048 of them). They are packed in touch order, each page in one part: a first part of
+`FIRST_PART_BYTES`, which crosses the link before QEMU loads the device state and maps the pages of all the
+others, then smaller parts of `PART_BYTES`, which follow while the guest runs (`load`); vulpes serves their
+pages from RAM ahead of the chunks, and a guest fault on a page whose part is about to come waits for it.
 
 A session that booted cold makes no pack: what a boot touches says little about what a resume will.
 """
