@@ -16,7 +16,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +207,20 @@ class Client:
         return boot_blobs(state, manifest, parcel_keys, remote=self.remote, reporter=reporter)
 
 
+def manifest_and_blobs(remote: Remote, parcel: str, version: int, parcel_keys: ParcelKeys,
+                       names: list[str]) -> Generator[tuple[Manifest, str, bytes], None, None]:
+    """A version's manifest and its sealed blobs ``names`` in one request (a bundle, `Remote.get_blobs`), so that
+    the link does not idle for a round trip between them: yields (manifest, name, sealed bytes) for each as it
+    arrives, the manifest first (name MANIFEST, its own sealed bytes), opened and checked for parcel and version
+    before anything else is yielded. The blobs are not opened. Raises RemoteError, ParcelError."""
+    manifest: Manifest | None = None
+    with contextlib.closing(remote.get_blobs(parcel, version, [MANIFEST, *names])) as arriving:
+        for name, sealed in arriving:
+            if manifest is None:
+                manifest = open_manifest(parcel_keys.parcel_key, sealed, parcel=uuid.UUID(parcel), version=version)
+            yield manifest, name, sealed
+
+
 def boot_blobs(state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, *, remote: Remote | None,
                reporter: Reporter | None = None) -> dict[str, bytes]:
     """See `Client.boot_blobs`; with ``remote`` None only the local copies are used (disconnected).
@@ -228,32 +242,37 @@ def version_blobs(state: ParcelState, manifest: Manifest, parcel_keys: ParcelKey
         info = manifest.blobs[name]
         path = state.blob_path(info.sha256.hex())
         # A keyless hoard keeps what the server serves for this version; it counts once it opens here.
-        hoarded = state.version_blob_path(manifest.version, name)
-        payload = None
-        for candidate in (path, hoarded):
+        for candidate in (path, state.version_blob_path(manifest.version, name)):
             if not candidate.exists():
                 continue
             try:
-                payload = open_blob(parcel_keys.parcel_key, candidate.read_bytes(), manifest, name)
+                out[name] = open_blob(parcel_keys.parcel_key, candidate.read_bytes(), manifest, name)
             except ParcelError as exc:
                 log.warning("local copy %s of boot file %s is unusable (%s)", candidate, name, exc)
                 continue
             if candidate != path:
                 link_file(candidate, path)
             break
-        if payload is None:
-            if remote is None:
-                raise StateError(f"boot file {name} of version {manifest.version} is not at this site and the "
-                                 f"server is not reachable")
-            with reporter.progress(f"fetching boot file {name}", 0) as bar:
-                sealed = remote.get_blob(str(manifest.parcel), manifest.version, name, progress=bar.update)
-                payload = open_blob(parcel_keys.parcel_key, sealed, manifest, name)
-                write_file(path, sealed)
-                bar.close(f"sealed ({human_bytes(info.size)} open); kept at this site")
+    missing = [name for name in names if name not in out]
+    if missing and remote is None:
+        raise StateError(f"boot file {missing[0]} of version {manifest.version} is not at this site and the "
+                         f"server is not reachable")
+    if missing:
+        assert remote is not None
+        # All in one request: the link does not idle for a round trip between them.
+        size = sum(manifest.blobs[name].size for name in missing)
+        with reporter.progress(f"fetching boot file{'s' if len(missing) > 1 else ''} {', '.join(missing)}",
+                               size) as bar, \
+                contextlib.closing(remote.get_blobs(str(manifest.parcel), manifest.version, missing,
+                                                    progress=lambda done: bar.update(min(done, size)))) as arriving:
+            for name, sealed in arriving:
+                out[name] = open_blob(parcel_keys.parcel_key, sealed, manifest, name)
+                write_file(state.blob_path(manifest.blobs[name].sha256.hex()), sealed)
+            bar.close(f"sealed ({human_bytes(size)} open); kept at this site")
+    for name in names:
         # Under the version's name too, so that a keyless hoard of a later version inheriting it finds it.
-        link_file(path, hoarded)
-        out[name] = payload
-    return out
+        link_file(state.blob_path(manifest.blobs[name].sha256.hex()), state.version_blob_path(manifest.version, name))
+    return {name: out[name] for name in names}
 
 
 def link_file(source: Path, target: Path) -> None:

@@ -20,6 +20,7 @@ transfer. `ServerInventory` and `KeylessHoarder` are what `schedule.Runner` plan
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -178,16 +179,20 @@ def _fetch_blobs(client: Client, wanted: Need, reporter: Reporter) -> int:
         return 0
     state = ParcelState(wanted.parcel)
     fetched = 0
-    with client.new_remote() as remote:
-        for name, size in wanted.blobs.items():
-            with reporter.progress(f"fetching boot file {name}", size) as bar:
-                sealed = remote.get_blob(wanted.parcel, wanted.version, name, progress=bar.update)
-                if len(sealed) != size:
-                    raise IsrError(f"the server sent {len(sealed)} bytes of blob {name} of version {wanted.version}, "
-                                   f"not the {size} it lists: try again later")
-                write_file(state.version_blob_path(wanted.version, name), sealed)
-                bar.close("sealed; the next resume checks it")
+    size = sum(wanted.blobs.values())
+    names = list(wanted.blobs)
+    # All in one request: the link does not idle for a round trip between them.
+    with client.new_remote() as remote, \
+            reporter.progress(f"fetching boot file{'s' if len(names) > 1 else ''} {', '.join(names)}", size) as bar, \
+            contextlib.closing(remote.get_blobs(wanted.parcel, wanted.version, names,
+                                                progress=lambda done: bar.update(min(done, size)))) as arriving:
+        for name, sealed in arriving:
+            if len(sealed) != wanted.blobs[name]:
+                raise IsrError(f"the server sent {len(sealed)} bytes of blob {name} of version {wanted.version}, "
+                               f"not the {wanted.blobs[name]} it lists: try again later")
+            write_file(state.version_blob_path(wanted.version, name), sealed)
             fetched += len(sealed)
+        bar.close("sealed; the next resume checks them")
     return fetched
 
 

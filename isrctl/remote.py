@@ -406,10 +406,12 @@ class Remote:
         path = f"/v1/parcels/{parcel}/versions/{version}/{name}"
         return self.request("GET", path).content if progress is None else self.download(path, progress)
 
-    def get_blobs(self, parcel: str, version: int, names: Sequence[str]) -> Generator[tuple[str, bytes], None, None]:
+    def get_blobs(self, parcel: str, version: int, names: Sequence[str],
+                  progress: Callable[[int], None] | None = None) -> Generator[tuple[str, bytes], None, None]:
         """A version's sealed blobs ``names`` as (name, bytes), in that order, each yielded as soon as it has
         arrived whole: one request (GET …/versions/{n}/_bundle, doc/protocol.md) whose answer streams them one
-        after another, so the link does not idle for a round trip between them.
+        after another, so the link does not idle for a round trip between them. ``progress`` is called with the
+        bytes of the answer so far as they arrive.
 
         Raises `IncompleteBundle` if the answer breaks off or its framing is wrong (the blobs yielded before
         stay good), `RemoteNotFound` if the version lacks one of them (before any is yielded), and what
@@ -436,7 +438,11 @@ class Remote:
                 bundle = BundleReader(names, f"the bundle of version {version}")
                 ended = False
                 try:
+                    received = 0
                     for block in response.iter_bytes():
+                        received += len(block)
+                        if progress is not None:
+                            progress(received)
                         yield from bundle.feed(block)
                     ended = True
                 except httpx.TransportError as e:
@@ -449,8 +455,13 @@ class Remote:
                 return
         finally:
             response.close()
+        received = 0
         for name in names:
-            yield name, self.get_blob(parcel, version, name)
+            blob = self.get_blob(parcel, version, name)
+            received += len(blob)
+            if progress is not None:
+                progress(received)
+            yield name, blob
 
     def put_blob(self, parcel: str, name: str, data: bytes, nonce: str) -> dict[str, Any]:
         """Stage a sealed blob for the next commit; the reply has its size and SHA-256."""

@@ -6,6 +6,7 @@ number and parent. Boot files identical to the current version's are inherited, 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -13,7 +14,7 @@ from parcels.manifest import IMAGES, open_keyring, seal_manifest, utc_now
 from parcels.store import KEYRING_FILES, MANIFEST
 
 from . import workingset
-from .checkout import Client
+from .checkout import Client, manifest_and_blobs
 from .errors import IsrError
 
 
@@ -27,23 +28,27 @@ def rollback(client: Client, parcel: dict[str, Any], parcel_keys: Any, nonce: st
     if not 1 <= target < current:
         raise IsrError(f"version {target} is not an older version of {parcel['name']} (current: {current})")
     remote = client.remote
-    _, old = client.fetch_manifest(parcel["id"], target, parcel_keys)
     _, now = client.fetch_manifest(parcel["id"], current, parcel_keys)
     tags: set[str] = set()
     staged: dict[str, bytes] = {}
     records = {}
-    for image in IMAGES:
-        sealed = remote.get_blob(parcel["id"], target, KEYRING_FILES[image])
-        records[image] = open_keyring(parcel_keys.parcel_key, sealed, old, image)
-        tags.update(r.tag.hex() for r in records[image])
-        staged[KEYRING_FILES[image]] = sealed
+    # The target's manifest and keyrings in one request, then the blobs it does not share with the current
+    # version in another: not one round trip each.
+    keyrings = {KEYRING_FILES[image]: image for image in IMAGES}
+    with contextlib.closing(manifest_and_blobs(remote, parcel["id"], target, parcel_keys, list(keyrings))) as arriving:
+        for old, name, sealed in arriving:
+            if name in keyrings:
+                records[keyrings[name]] = open_keyring(parcel_keys.parcel_key, sealed, old, keyrings[name])
+                tags.update(r.tag.hex() for r in records[keyrings[name]])
+                staged[name] = sealed
     inherit = []
     for name, info in old.blobs.items():
         same = now.blobs.get(name)
         if same is not None and same.sha256 == info.sha256 and same.kind == info.kind:
             inherit.append(name)
-        else:
-            staged[name] = remote.get_blob(parcel["id"], target, name)
+    with contextlib.closing(remote.get_blobs(parcel["id"], target, [n for n in old.blobs if n not in inherit])) \
+            as arriving:
+        staged.update(arriving)
     manifest = old.replace(version=current + 1, parent=current,
                            timestamps=dataclasses.replace(old.timestamps, created=utc_now()))
     staged[MANIFEST] = seal_manifest(parcel_keys.parcel_key, manifest)
