@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from isrprogress import NullReporter, Reporter
@@ -221,12 +222,14 @@ def _say_changed(reporter: Reporter, checkout: Checkout, changes: Changes) -> No
 
 
 def checkin(client: Client, state: ParcelState, parcel_keys: ParcelKeys, *, keep_lock: bool = False,
-            reporter: Reporter | None = None, staged: concurrent.futures.Future[Staged] | None = None) -> int:
+            reporter: Reporter | None = None, staged: concurrent.futures.Future[Staged] | None = None,
+            settle: Callable[[], object] | None = None) -> int:
     """Commit the local state as a new version; returns the version now current at this site.
 
     ``staged``: the version's blobs, being staged already (`stage`) while something else (vulpes) uploads the
     chunks; the commit then names every chunk without asking first which the server lacks, and uploads those
-    it says are missing.
+    it says are missing. ``settle`` is called once the version is committed, before the local state becomes the
+    new base (a session stops vulpes beside the commit and waits for it there).
 
     With no local changes nothing is committed (the lock is still released unless ``keep_lock``).
     Raises StateError (not checked out, no lock, a crashed or running session), LockBroken (the lock was
@@ -295,6 +298,8 @@ def checkin(client: Client, state: ParcelState, parcel_keys: ParcelKeys, *, keep
         raise StateError(f"the local state of {checkout.name} is incomplete ({exc.filename} is missing): "
                          f"`isr discard {checkout.name}`") from None
     new_version = int(record["version"])
+    if settle is not None:
+        settle()
     state.accept_local_as_base(manifest_sealed=sealed[MANIFEST], streams=changes.streams,
                                devstate_sealed=ready.devstate_sealed)
     try:

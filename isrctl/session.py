@@ -804,6 +804,8 @@ class Session:
         phases: dict[str, float] = {}
         t = started
         result: dict[str, Any] = {"parcel": self.options.parcel, "name": self.options.name}
+        # Asked while QEMU saves the state, so that the upload does not wait a connection and a round trip for it.
+        answers = background.start("health check", self._server_answers) if checkin and kind == SUSPENDED else None
         if kind == SUSPENDED:
             try:
                 self.vm.stop()
@@ -865,7 +867,7 @@ class Session:
         if kind == SUSPENDED:
             reporter.say(f"the VM state is safe at this site after {safe:.1f} s "
                          f"({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})")
-        unreachable = checkin and not self._server_answers()
+        unreachable = checkin and not (answers.result() if answers is not None else self._server_answers())
         if unreachable:
             checkin = False
         staging = None
@@ -873,8 +875,14 @@ class Session:
             staging = self._stage()
             self._vulpes_upload(reporter)
             t = _lap(phases, "upload (vulpes)", t)
-        self.vulpes.stop()
-        t = _lap(phases, "unmount", t)
+        stopped = None
+        if staging is not None:
+            # vulpes unmounts and exits while the commit crosses the link (the local state becomes the new base
+            # only once it has exited).
+            stopped = self._stop_vulpes_beside()
+        else:
+            self.vulpes.stop()
+            t = _lap(phases, "unmount", t)
         if kind == POWEROFF:
             forget_memory(self.state)
             safe = time.monotonic() - started
@@ -888,7 +896,12 @@ class Session:
             raise SessionError(f"the server does not answer: the new state is kept at this site, and so is the "
                                f"lock: `isr checkin {self.options.name}` when it is back")
         if checkin:
-            result.update(self._checkin(reporter, staging))
+            try:
+                result.update(self._checkin(reporter, staging, settle=stopped))
+            finally:
+                failure = stopped() if stopped is not None else None
+            if failure is not None:
+                raise failure
             reporter.say(f"checked in {time.monotonic() - safe_at:.2f} s after the state was safe")
         else:
             reporter.say(f"not checked in: this site keeps the lock; `isr checkin {self.options.name}` uploads "
@@ -1082,19 +1095,34 @@ class Session:
             # Not fatal: the checkin uploads whatever the server still lacks from the cache files.
             log.warning("vulpes upload failed: %s", failure[0])
 
+    def _stop_vulpes_beside(self) -> Callable[[], VulpesFailure | None]:
+        """Stop vulpes on a thread of its own; returns the wait for it, which gives the failure of the stop (None
+        if it exited cleanly) and may be called more than once."""
+        assert self.vulpes is not None
+        stopping = background.start("stop vulpes", self.vulpes.stop)
+
+        def stopped() -> VulpesFailure | None:
+            try:
+                stopping.result()
+            except VulpesFailure as exc:
+                return exc
+            return None
+        return stopped
+
     def _stage(self) -> concurrent.futures.Future[Staged]:
         """Seal and stage the new version's blobs (keyrings, device state, resume pack, manifest) while vulpes
         uploads its chunks, so that the checkin after the upload is only the commit (`checkin.stage`)."""
         assert self.client is not None
         return background.start("stage", stage_blobs, self.client, self.state, self.keys)
 
-    def _checkin(self, reporter: Reporter, staged: concurrent.futures.Future[Staged] | None = None) -> dict[str, Any]:
+    def _checkin(self, reporter: Reporter, staged: concurrent.futures.Future[Staged] | None = None, *,
+                 settle: Callable[[], object] | None = None) -> dict[str, Any]:
         if self.client is None:
             return {}
         started = time.monotonic()
         try:
             version = do_checkin(self.client, self.state, self.keys, keep_lock=False, reporter=reporter,
-                                 staged=staged)
+                                 staged=staged, settle=settle)
         except LockBroken:
             self.exit_code = 1
             raise
