@@ -305,7 +305,14 @@ def resume_packs(draw: st.DrawFn) -> tuple[bytes, int]:
         data = draw(st.binary(min_size=1, max_size=64))
         pieces.append((offset, data))
         offset += len(data)
-    payload = refused_only(ParcelError, resumepack.encode, image, pieces)
+    entries = []
+    offset = 0
+    for _ in range(draw(st.integers(0, 3))):         # a map of the parts to come: a version-2 payload
+        offset += draw(st.integers(0, 8192))
+        length = draw(st.integers(0, 8192))
+        entries.append(resumepack.MapEntry(offset, length, draw(st.integers(0, resumepack.PARTS_MAX))))
+        offset += length
+    payload = refused_only(ParcelError, resumepack.encode, image, pieces, entries)
     base = payload if payload is not None else resumepack.HEADER.pack(resumepack.MAGIC, 1, bytes(3), image, 0)
     return draw(mangled(base)), draw(st.sampled_from([image, image + 1, 0]))
 
@@ -320,6 +327,11 @@ def resume_pack_payloads(pack: tuple[bytes, int]) -> None:
     for extent, data in extents:
         assert extent.length == len(data) > 0 and extent.offset >= end and extent.offset + extent.length <= image
         end = extent.offset + extent.length
+    end = 0
+    for entry in resumepack.decode_map(payload, image):
+        assert entry.length > 0 and entry.offset >= end and entry.offset + entry.length <= image
+        assert 1 <= entry.part < resumepack.PARTS_MAX
+        end = entry.offset + entry.length
 
 
 # --- isrctl: calendars -----------------------------------------------------------------------------------
