@@ -21,7 +21,6 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Generator
 from pathlib import Path
 
 from parcels import resumepack, seal
@@ -53,13 +52,6 @@ PACK_BYTES_MAX = 32 << 20
 PACK_LINK_SECONDS = 1.0
 #: Plaintext per byte on the link (measured: 8 MiB sealed to 2.6-3.0 MB, 32 MiB to 9-12 MB).
 PACK_RATIO = 2.8
-#: The pace (payload bytes per second, the first part's) from which a resume streams the later parts in one
-#: answer (`Remote.get_blobs`) rather than one request each: about 23 Mbit/s on the link. One long answer keeps
-#: a fast link busy (at 100 Mbit/s one request each waited a round trip per part: 0.85 s for 28 parts instead
-#: of 0.26 s), but on a slow link it fills the bottleneck's queue, and every guest miss waits behind it (at
-#: 10 Mbit/s 240 ms to the first byte instead of 22 ms), while one part per request keeps at most one part
-#: (80 ms at 10 Mbit/s) ahead of a miss.
-STREAM_RATE = 8e6
 #: The plaintext of the first part (256 pages), fetched before the guest starts (compressed, about 0.3 MB:
 #: 0.03 s at 100 Mbit/s, 0.3 s at 10, 3 s at 1).
 FIRST_PART_BYTES = 1 << 20
@@ -208,11 +200,9 @@ def worth_loading(state: ParcelState, manifest: Manifest) -> bool:
 
 
 def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, vulpes: Vulpes,
-         names: list[str], *, keep: int | None = None, seconds: float = PACK_LINK_SECONDS,
-         stream: bool = True) -> int:
-    """Fetch the pack parts ``names`` in order, in one request that streams them (`Remote.get_blobs`), or with
-    ``stream`` false one request each (see `STREAM_RATE`), check each as it arrives and hand it to vulpes;
-    returns their plaintext bytes.
+         names: list[str], *, keep: int | None = None, seconds: float = PACK_LINK_SECONDS) -> int:
+    """Fetch the pack parts ``names`` in one request that streams them in order (`Remote.get_blobs`), check each
+    as it arrives and hand it to vulpes; returns their plaintext bytes.
 
     With ``keep``, once that much plaintext is here the loading stops where the parts still to come would take
     more than ``seconds`` at the pace the parts came so far: a pack made on a fast link would hold a
@@ -226,9 +216,7 @@ def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: Pa
     started = time.monotonic()
     size = manifest.images["memory"].size
     try:
-        arriving = remote.get_blobs(state.parcel, manifest.version, names) if stream else \
-            _one_by_one(remote, state.parcel, manifest.version, names)
-        with contextlib.closing(arriving):
+        with contextlib.closing(remote.get_blobs(state.parcel, manifest.version, names)) as arriving:
             for name, sealed in arriving:
                 payload = open_blob(parcel_keys.parcel_key, sealed, manifest, name)
                 part = sum(extent.length for extent, _ in resumepack.decode(payload, size))
@@ -250,7 +238,3 @@ def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: Pa
                     names[min(loaded, len(names) - 1)], exc)
     return used
 
-
-def _one_by_one(remote: Remote, parcel: str, version: int, names: list[str]) -> Generator[tuple[str, bytes], None, None]:
-    for name in names:
-        yield name, remote.get_blob(parcel, version, name)

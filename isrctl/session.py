@@ -992,26 +992,20 @@ class Session:
         runs on the first (`isrctl.pack`)."""
         assert self.client is not None and self.vulpes is not None
         names = pack.parts(manifest)
-        started = time.monotonic()
         used = pack.load(self.client.remote, self.state, manifest, self.keys, self.vulpes, names[:1])
         if not used:
             return
-        pace = manifest.blobs[names[0]].size / max(time.monotonic() - started, 1e-3)
         self.reporter.say(f"  resume pack: {used / 2**20:.1f} MiB of memory ready before its chunks"
                           + (f", {len(names) - 1} more parts to follow" if len(names) > 1 else ""))
         if len(names) > 1:
             client, vulpes = self.client, self.vulpes
             self._pack_loaded.clear()
 
-            stream = pace >= pack.STREAM_RATE
-            log.info("resume pack: the first part came at %.1f MB/s of payload: the rest %s", pace / 1e6,
-                     "in one streamed answer" if stream else "one part per request")
-
             def rest() -> None:
                 try:
                     with client.new_remote() as remote:
                         pack.load(remote, self.state, manifest, self.keys, vulpes, names[1:],
-                                  keep=max(0, pack.PACK_BYTES - used), stream=stream)
+                                  keep=max(0, pack.PACK_BYTES - used))
                 finally:
                     with contextlib.suppress(IsrError):
                         vulpes.preload_end("memory")     # no read waits for a part that will not come

@@ -169,7 +169,7 @@ def test_load_with_keep_stops_where_the_rest_would_take_too_long(server_env: Ser
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     """Past ``keep`` bytes of plaintext, `pack.load` stops where the parts still to come would take longer than
     ``seconds`` at the pace the others came (none here: it stops at once); with time to spare it takes all.
-    It asks for them in one streamed answer, or one request each."""
+    It asks for them in one streamed answer."""
     parcel = server_env.new_parcel("alice")
     key = os.urandom(32)
     image_size = 1 << 20
@@ -184,8 +184,7 @@ def test_load_with_keep_stops_where_the_rest_would_take_too_long(server_env: Ser
         remote.commit(parcel, nonce, 0, list(blobs), [])
         remote.release(parcel, nonce)
         manifest = pack_manifest(parcel, 1, image_size, dict(zip(names, payloads)))
-        for keep, seconds, stream, loaded in ((8192, 0.0, True, 2), (0, 0.0, True, 1), (8192, 1e9, True, 4),
-                                              (None, 0.0, True, 4), (8192, 0.0, False, 2), (None, 0.0, False, 4)):
+        for keep, seconds, loaded in ((8192, 0.0, 2), (0, 0.0, 1), (8192, 1e9, 4), (None, 0.0, 4)):
             vulpes = PreloadRecorder()
             requests: list[str] = []
             remote.client.event_hooks["request"] = [lambda request: requests.append(request.url.path)]
@@ -193,11 +192,9 @@ def test_load_with_keep_stops_where_the_rest_would_take_too_long(server_env: Ser
             with caplog.at_level(logging.INFO, logger="isrctl.pack"):
                 used = pack.load(remote, SimpleNamespace(parcel=parcel), manifest,  # type: ignore[arg-type]
                                  SimpleNamespace(parcel_key=key), vulpes, names,  # type: ignore[arg-type]
-                                 keep=keep, seconds=seconds, stream=stream)
+                                 keep=keep, seconds=seconds)
             assert (used, vulpes.payloads) == (loaded * 4096, payloads[:loaded]), (keep, seconds)
-            # Streamed: one request; else one per part taken (a part not taken is not asked for).
-            prefix = f"/v1/parcels/{parcel}/versions/1/"
-            assert requests == ([prefix + "_bundle"] if stream else [prefix + name for name in names[:loaded]])
+            assert requests == [f"/v1/parcels/{parcel}/versions/1/_bundle"]
             stopped = [r.getMessage() for r in caplog.records if "are not fetched" in r.getMessage()]
             assert len(stopped) == (loaded < 4) and not [r for r in caplog.records if r.levelno >= logging.WARNING]
         # The connection the stopped bundle left is not needed again: the next request goes through.
