@@ -47,9 +47,10 @@ PACK_BYTES = 8 << 20
 #: 2,048 (30 chunk misses at 100 Mbit/s, one round trip each) while a longer pack would already be here: with
 #: 32 MiB the guest answered after 1.4 s instead of 2.4 s (BENCHMARKS.md, "a map in the resume pack").
 PACK_BYTES_MAX = 32 << 20
-#: A pack costs about this much of the link at the suspend that makes it (its upload), and may cost this much
-#: at a resume beyond its first `PACK_BYTES` (`load`): on a 10 Mbit/s link 32 MiB would be 8 s at both ends.
-PACK_LINK_SECONDS = 1.0
+#: A pack costs at most about this much of the link at the suspend that makes it (its upload: vulpes's peak
+#: rate is a lower bound of the link's, 4.4-11 MB/s at 100 Mbit/s), and may cost this much at a resume beyond
+#: its first `PACK_BYTES` (`load`): on a 10 Mbit/s link 32 MiB would be 8 s at both ends.
+PACK_LINK_SECONDS = 1.5
 #: Plaintext per byte on the link (measured: 8 MiB sealed to 2.6-3.0 MB, 32 MiB to 9-12 MB).
 PACK_RATIO = 2.8
 #: The plaintext of the first part (256 pages), fetched before the guest starts (compressed, about 0.3 MB:
@@ -65,8 +66,8 @@ _PAGE = 4096
 
 def limit(rate_peak: float) -> int:
     """The plaintext of the pack a session makes whose link carried ``rate_peak`` bytes/s at best (vulpes's
-    ``fetch.rate_peak``; 0: not measured): what crosses in about `PACK_LINK_SECONDS`, whole pages, from
-    `PACK_BYTES` to `PACK_BYTES_MAX`."""
+    ``fetch.rate_peak``; 0: not measured): what crosses in `PACK_LINK_SECONDS`, whole pages, from `PACK_BYTES`
+    to `PACK_BYTES_MAX`."""
     fits = int(rate_peak * PACK_LINK_SECONDS * PACK_RATIO) // _PAGE * _PAGE
     return max(PACK_BYTES, min(PACK_BYTES_MAX, fits))
 

@@ -201,7 +201,7 @@ def test_load_with_keep_stops_where_the_rest_would_take_too_long(server_env: Ser
         assert remote.get_blob(parcel, 1, names[3]) == blobs[names[3]]
 
 
-def test_limit_is_about_a_second_of_the_link_within_bounds() -> None:
+def test_limit_follows_the_link_within_bounds() -> None:
     assert pack.limit(0) == pack.PACK_BYTES                          # nothing measured
     assert pack.limit(1.2e6) == pack.PACK_BYTES                      # 10 Mbit/s: the least
     assert pack.limit(12e6) == pack.PACK_BYTES_MAX                   # 100 Mbit/s: the most
