@@ -199,7 +199,7 @@ def test_commands_report_their_result_as_json(isr_env: IsrEnv, tmp_path: Path) -
         assert hoard["name"] == parcel.name and hoard["version"] is None and hoard["lock_held"] is False
         assert hoard["hoard"]["keyless"] is True and hoard["hoard"]["version"] == 1, hoard
         assert hoard["hoard"]["bytes_fetched"] > 0 and hoard["hoard"]["mode"] == "full", hoard
-        assert re.search(r"^  fetching boot file \S+: [0-9.]+ (KiB|MiB) in ", out.stderr, re.M), out.stderr
+        assert re.search(r"^  fetching boot files? [^:]+: [0-9.]+ (KiB|MiB) in ", out.stderr, re.M), out.stderr
 
         checkout = json_result(a, "checkout", parcel.name, *key)
         assert checkout["version"] == 1 and checkout["lock_held"] is True and checkout["local"] == "clean", checkout
