@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""A version's blobs one GET each against one bundle (GET …/versions/{n}/_bundle), through added RTT.
+"""A version's blobs one GET each against one bundle (GET …/versions/{n}/_bundle), and a checkin's staging
+PUTs one after another against on parallel connections (`isrctl.checkin.on_connections`), through added RTT.
 
     .venv/bin/python bench/blob_bundle.py [--rates 100,10] [--rtt 20] [--blobs 28] [--size 100000] [--trials 3]
 
@@ -8,7 +9,9 @@ What a fresh-site resume fetches after its first pack part: `--blobs` sealed blo
 toxiproxy proxy that adds `--rtt` ms (half each way) and limits the rate (toxiproxy's bandwidth toxic, KB/s;
 coarser than the tbf of the other benchmarks, which needs a network namespace). Per trial, on one warm
 connection: the blobs with `Remote.get_blob` one after another, then all of them with `Remote.get_blobs`,
-next to the time the bytes alone take at that rate. Prints its figures; it does not write BENCHMARKS.md.
+next to the time the bytes alone take at that rate; then the same blobs staged for a commit (PUT, the rate
+limited upstream too), one after another on one connection and as `checkin.stage` sends them. Prints its
+figures; it does not write BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -18,10 +21,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from isrctl.checkin import on_connections  # noqa: E402
 from isrctl.remote import Remote  # noqa: E402
 from tests.server_fixtures import ServerEnv, start_env  # noqa: E402
 from tests.toxiproxy_fixtures import Toxiproxy  # noqa: E402
@@ -38,6 +43,30 @@ def make_version(env: ServerEnv, parts: dict[str, bytes]) -> str:
         client.commit(parcel, nonce, 0, list(blobs), [])
         client.release(parcel, nonce)
     return parcel
+
+
+def stage_times(env: ServerEnv, parcel: str, address: str, parts: dict[str, bytes]) -> tuple[float, float]:
+    """Seconds to stage ``parts`` one PUT after another on one warm connection, and as `checkin.stage` does
+    (each connection warmed by a first request before the clock starts, as a checkin's are by then)."""
+    def remote() -> Remote:
+        return Remote(f"https://{address}", fingerprint=env.server.fingerprint, token=env.tokens["alice"])
+
+    with remote() as control:
+        nonce = control.acquire(parcel, host="bench")["nonce"]
+        try:
+            with remote() as one:
+                one.whoami()
+                started = time.monotonic()
+                for name, data in parts.items():
+                    one.put_blob(parcel, name, data, nonce)
+                serial = time.monotonic() - started
+            started = time.monotonic()
+            on_connections(SimpleNamespace(new_remote=remote), "stage",  # type: ignore[arg-type]
+                           list(parts.items()), lambda r, blob: r.put_blob(parcel, blob[0], blob[1], nonce))
+            parallel = time.monotonic() - started
+        finally:
+            control.release(parcel, nonce)
+    return serial, parallel
 
 
 def main() -> None:
@@ -74,6 +103,12 @@ def main() -> None:
                             print(f"{mbit:g} Mbit/s +{args.rtt:g} ms, {args.blobs} blobs of {args.size} bytes, trial "
                                   f"{trial + 1}: one GET each {serial:.2f} s, one bundle {bundle:.2f} s (the bytes "
                                   f"alone {bytes_alone:.2f} s)", flush=True)
+                    with proxy.toxic("bandwidth", stream="upstream", rate=int(mbit * 1000 / 8)):
+                        for trial in range(args.trials):
+                            serial, parallel = stage_times(env, parcel, proxy.address, parts)
+                            print(f"{mbit:g} Mbit/s +{args.rtt:g} ms, staging {args.blobs} blobs, trial {trial + 1}: "
+                                  f"one PUT after another {serial:.2f} s, on parallel connections {parallel:.2f} s "
+                                  f"(the bytes alone {bytes_alone:.2f} s)", flush=True)
         finally:
             env.server.stop()
 

@@ -20,8 +20,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from isrprogress import NullReporter, Reporter
 from parcels import crypto, firmware, resumepack, seal
@@ -40,6 +41,7 @@ from .vulpes import cache_object_path, release_pins
 log = logging.getLogger(__name__)
 
 UPLOAD_THREADS = 4
+T = TypeVar("T")
 
 
 @dataclass
@@ -75,6 +77,30 @@ def compare(state: ParcelState) -> Changes:
     return Changes(changed=changed, new_tags=new_tags, all_tags=list(local_tags), streams=streams)
 
 
+def on_connections(client: Client, name: str, items: Sequence[T], work: Callable[[Remote, T], object]) -> None:
+    """``work(remote, item)`` for every item, on `UPLOAD_THREADS` threads with a connection each (an httpx
+    client is not meant to be shared between threads), so that many small requests do not wait a round trip
+    each one after another; raises the first failure once the others are done or cancelled."""
+    lock = threading.Lock()
+    local = threading.local()
+    remotes: list[Remote] = []
+
+    def run(item: T) -> None:
+        if not hasattr(local, "remote"):
+            local.remote = client.new_remote()
+            with lock:
+                remotes.append(local.remote)
+        work(local.remote, item)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix=name) as pool:
+            for future in [pool.submit(run, item) for item in items]:
+                future.result()
+    finally:
+        for remote in remotes:
+            remote.close()
+
+
 def upload_from_cache(client: Client, tags: list[str], reporter: Reporter, *, label: str = "uploading chunks") -> int:
     """Send chunk objects from the local cache; returns the bytes sent. Each object is checked against
     its tag first. Raises CheckinError if one is not in the cache or is damaged there."""
@@ -91,38 +117,24 @@ def upload_from_cache(client: Client, tags: list[str], reporter: Reporter, *, la
     bar = reporter.progress(label, total)
     sent = sent_chunks = 0
     lock = threading.Lock()
-    local = threading.local()
-    remotes: list[Remote] = []
 
-    def worker_remote() -> Remote:
-        # One connection per upload thread: an httpx client is not meant to be shared between threads.
-        if not hasattr(local, "remote"):
-            local.remote = client.new_remote()
-            with lock:
-                remotes.append(local.remote)
-        return local.remote
-
-    def send(tag: str) -> None:
+    def send(remote: Remote, tag: str) -> None:
         nonlocal sent, sent_chunks
         data = cache_object_path(cache, tag).read_bytes()
         if hashlib.sha256(data).hexdigest() != tag:
             raise CheckinError(f"chunk object {tag} in the cache {cache} is damaged: the local state cannot be "
                                f"checked in; `isr discard` drops it")
-        worker_remote().put_chunk(tag, data)
+        remote.put_chunk(tag, data)
         with lock:
             sent += len(data)
             sent_chunks += 1
             bar.update(sent)
 
     try:
-        with concurrent.futures.ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="upload") as pool:
-            for future in [pool.submit(send, tag) for tag in tags]:
-                future.result()
+        on_connections(client, "upload", tags, send)
     finally:
         # Say what was sent, not what was meant to be: an upload cut short says how far it got.
         bar.close(f"{len(tags)} chunks" if sent_chunks == len(tags) else f"{sent_chunks} of {len(tags)} chunks sent")
-        for r in remotes:
-            r.close()
     return sent
 
 
@@ -209,9 +221,10 @@ def stage(client: Client, state: ParcelState, parcel_keys: ParcelKeys) -> Staged
         seal.open_sealed(parcel_keys.parcel_key, sealed[firmware.NVRAM_BLOB], seal.KIND_BOOT, int(change.nvram["size"]))
     manifest = new_manifest(base, change, changes.streams, change.qemu_version)
     sealed[MANIFEST] = seal_manifest(parcel_keys.parcel_key, manifest)
-    with client.new_remote() as remote:
-        for name, data in sealed.items():
-            remote.put_blob(checkout.parcel, name, data, checkout.lock.nonce)
+    # In parallel: a resume pack has up to 256 parts, one request each.
+    nonce = checkout.lock.nonce
+    on_connections(client, "stage", list(sealed.items()),
+                   lambda remote, blob: remote.put_blob(checkout.parcel, blob[0], blob[1], nonce))
     return Staged(base=base.version, changes=changes, manifest=manifest, sealed=sealed,
                   devstate_sealed=devstate_sealed)
 
