@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from isrctl import pack
+from isrctl.remote import Remote
 from parcels import resumepack, seal
 from parcels.crypto import sha256
 from parcels.manifest import BlobInfo, ImageInfo, Manifest
@@ -124,6 +125,20 @@ def pack_manifest(parcel: str, version: int, image_size: int, parts: dict[str, b
                for name, payload in parts.items()})
 
 
+def load_recorded(remote: Remote, parcel: str, manifest: Manifest, key: bytes, names: list[str],
+                  caplog: pytest.LogCaptureFixture, **kwargs: Any) -> tuple[int, PreloadRecorder, list[str]]:
+    """`pack.load` of ``names`` into a `PreloadRecorder`, with its log captured afresh: what it returned, the
+    recorder, and the paths of the requests it made."""
+    vulpes = PreloadRecorder()
+    requests: list[str] = []
+    remote.client.event_hooks["request"] = [lambda request: requests.append(request.url.path)]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="isrctl.pack"):
+        used = pack.load(remote, SimpleNamespace(parcel=parcel), manifest,  # type: ignore[arg-type]
+                         SimpleNamespace(parcel_key=key), vulpes, names, **kwargs)  # type: ignore[arg-type]
+    return used, vulpes, requests
+
+
 @pytest.mark.parametrize("server_env", ["sqlite-directory"], indirect=True)
 def test_load_takes_the_parts_from_one_bundle_until_one_is_damaged(server_env: ServerEnv,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
@@ -148,13 +163,7 @@ def test_load_takes_the_parts_from_one_bundle_until_one_is_damaged(server_env: S
         remote.release(parcel, nonce)
         for version, loaded in ((1, 3), (2, 1)):
             manifest = pack_manifest(parcel, version, image_size, dict(zip(names, payloads)))
-            vulpes = PreloadRecorder()
-            requests: list[str] = []
-            remote.client.event_hooks["request"] = [lambda request: requests.append(request.url.path)]
-            caplog.clear()
-            with caplog.at_level(logging.INFO, logger="isrctl.pack"):
-                used = pack.load(remote, SimpleNamespace(parcel=parcel), manifest,  # type: ignore[arg-type]
-                                 SimpleNamespace(parcel_key=key), vulpes, names)  # type: ignore[arg-type]
+            used, vulpes, requests = load_recorded(remote, parcel, manifest, key, names, caplog)
             assert used == loaded * 4096 and vulpes.payloads == payloads[:loaded]
             assert requests == [f"/v1/parcels/{parcel}/versions/{version}/_bundle"]
             warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -185,14 +194,8 @@ def test_load_with_keep_stops_where_the_rest_would_take_too_long(server_env: Ser
         remote.release(parcel, nonce)
         manifest = pack_manifest(parcel, 1, image_size, dict(zip(names, payloads)))
         for keep, seconds, loaded in ((8192, 0.0, 2), (0, 0.0, 1), (8192, 1e9, 4), (None, 0.0, 4)):
-            vulpes = PreloadRecorder()
-            requests: list[str] = []
-            remote.client.event_hooks["request"] = [lambda request: requests.append(request.url.path)]
-            caplog.clear()
-            with caplog.at_level(logging.INFO, logger="isrctl.pack"):
-                used = pack.load(remote, SimpleNamespace(parcel=parcel), manifest,  # type: ignore[arg-type]
-                                 SimpleNamespace(parcel_key=key), vulpes, names,  # type: ignore[arg-type]
-                                 keep=keep, seconds=seconds)
+            used, vulpes, requests = load_recorded(remote, parcel, manifest, key, names, caplog, keep=keep,
+                                                   seconds=seconds)
             assert (used, vulpes.payloads) == (loaded * 4096, payloads[:loaded]), (keep, seconds)
             assert requests == [f"/v1/parcels/{parcel}/versions/1/_bundle"]
             stopped = [r.getMessage() for r in caplog.records if "are not fetched" in r.getMessage()]
