@@ -597,6 +597,17 @@ static uint64_t monotonic_ns(void) {
         return (uint64_t) ts.tv_sec * 1000000000ULL + (uint64_t) ts.tv_nsec;
 }
 
+/* The CLOCK_REALTIME time ns from now, for pthread_cond_timedwait() on the image's conditions. */
+static struct timespec realtime_after_ns(uint64_t ns) {
+        struct timespec ts;
+
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ns += (uint64_t) ts.tv_nsec;
+        ts.tv_sec += (time_t) (ns / 1000000000ULL);
+        ts.tv_nsec = (long) (ns % 1000000000ULL);
+        return ts;
+}
+
 int image_preload(Image *img, uint8_t *payload, size_t len, uint32_t part) {
         PackInfo info;
         uint64_t bytes = 0;
@@ -654,7 +665,7 @@ static bool pack_wait_locked(Image *img, uint64_t pos, size_t len) {
         if (img->pack_ended || !img->pack_map)
                 return false;
         e = pack_map_find(img->pack_map, img->pack_map_n, pos);
-        if (!e || pos + len > e->offset + e->len || e->part >= IMAGE_PACKS_MAX || img->pack_have[e->part] ||
+        if (!e || pos + len > e->offset + e->len || img->pack_have[e->part] ||
             e->part > img->pack_next + PACK_WAIT_PARTS - 1)
                 return false;
         now = monotonic_ns();
@@ -665,11 +676,7 @@ static bool pack_wait_locked(Image *img, uint64_t pos, size_t len) {
                 img->pack_ended = true;
                 return false;
         }
-        /* img->cond waits on CLOCK_REALTIME: the deadline is the monotonic one, moved to that clock. */
-        clock_gettime(CLOCK_REALTIME, &deadline);
-        deadline_ns = (uint64_t) deadline.tv_sec * 1000000000ULL + (uint64_t) deadline.tv_nsec + (deadline_ns - now);
-        deadline.tv_sec = (time_t) (deadline_ns / 1000000000ULL);
-        deadline.tv_nsec = (long) (deadline_ns % 1000000000ULL);
+        deadline = realtime_after_ns(deadline_ns - now);
         img->pack_waits++;
         pthread_cond_timedwait(&img->cond, &img->lock, &deadline);
         img->pack_wait_ns += monotonic_ns() - now;
@@ -1179,13 +1186,7 @@ static void *flusher_thread(void *userdata) {
                 struct timespec deadline;
 
                 if (!img->flush_wanted) {
-                        clock_gettime(CLOCK_REALTIME, &deadline);
-                        deadline.tv_sec += img->flush_interval_ms / 1000;
-                        deadline.tv_nsec += (long) (img->flush_interval_ms % 1000) * 1000000L;
-                        if (deadline.tv_nsec >= 1000000000L) {
-                                deadline.tv_sec++;
-                                deadline.tv_nsec -= 1000000000L;
-                        }
+                        deadline = realtime_after_ns((uint64_t) img->flush_interval_ms * 1000000ULL);
                         pthread_cond_timedwait(&img->flusher_cond, &img->lock, &deadline);
                 }
                 if (img->stopping)
