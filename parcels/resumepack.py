@@ -81,6 +81,13 @@ def _check_order(ranges: Iterable[tuple[int, int]], image_size: int, what: str) 
         end = offset + length
 
 
+def _check_map(entries: list[MapEntry], image_size: int) -> None:
+    _check_order(((e.offset, e.length) for e in entries), image_size, "map entry")
+    for e in entries:
+        if not 1 <= e.part < PARTS_MAX:
+            raise FormatError(f"a resume pack map entry names part {e.part} (1 to {PARTS_MAX - 1})")
+
+
 def encode(image_size: int, extents: Iterable[tuple[int, bytes]], parts_map: Iterable[MapEntry] = ()) -> bytes:
     """The payload of a pack holding ``(offset, data)`` pieces of an image of ``image_size`` bytes, and, if
     given, the map of the parts to come (a version-2 payload; without one, version 1).
@@ -90,10 +97,7 @@ def encode(image_size: int, extents: Iterable[tuple[int, bytes]], parts_map: Ite
     pieces = list(extents)
     entries = list(parts_map)
     _check_order(((offset, len(data)) for offset, data in pieces), image_size, "extent")
-    _check_order(((e.offset, e.length) for e in entries), image_size, "map entry")
-    for e in entries:
-        if not 1 <= e.part < PARTS_MAX:
-            raise FormatError(f"a resume pack map entry names part {e.part} (1 to {PARTS_MAX - 1})")
+    _check_map(entries, image_size)
     if entries:
         header = HEADER_V2.pack(MAGIC, 2, b"\0\0\0", image_size, len(pieces), len(entries))
     else:
@@ -134,10 +138,7 @@ def _decode(payload: bytes, image_size: int) -> tuple[list[tuple[Extent, memoryv
     at = header + count * EXTENT.size
     parts_map = [MapEntry(*MAP_ENTRY.unpack_from(payload, at + i * MAP_ENTRY.size)) for i in range(entries)]
     _check_order(((e.offset, e.length) for e in table), image_size, "extent")
-    _check_order(((e.offset, e.length) for e in parts_map), image_size, "map entry")
-    for e in parts_map:
-        if not 1 <= e.part < PARTS_MAX:
-            raise FormatError(f"a resume pack map entry names part {e.part} (1 to {PARTS_MAX - 1})")
+    _check_map(parts_map, image_size)
     at += entries * MAP_ENTRY.size
     view = memoryview(payload)
     result: list[tuple[Extent, memoryview]] = []
