@@ -140,7 +140,7 @@ def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES
     taken: set[int] = set()                      # pages of earlier parts
     layouts: list[list[tuple[int, int]]] = []
     for group in groups:
-        pages = [page for start, length in extents(group, image_size) if start < image_size
+        pages = [page for start, length in extents(group, image_size)
                  for page in range(start // _PAGE, -(-(start + length) // _PAGE)) if page not in taken]
         taken.update(pages)
         layouts.append(extents([(page * _PAGE, _PAGE) for page in pages], image_size))
