@@ -162,6 +162,14 @@ def test_resume_pack_serves_the_next_fresh_site(isr_env: IsrEnv, nets: list[NetS
         print(f"site C resume:\n{out}\npack {size} bytes, vulpes hits {vulpes['hits']}")
         assert vulpes["images"]["memory"]["pack_bytes"] > 0
         assert vulpes["hits"]["pack"] > 0, vulpes["hits"]
+        # Every part comes, numbered, the later ones in one streamed answer; the first maps the others, and the
+        # loader tells vulpes when it is done, so no read waits for a part after that.
+        parts = pack.parts(manifest)
+        wait_until(lambda: c.stat(parcel)["session_status"]["vulpes"]["images"]["memory"]["pack_parts"]
+                   == len(parts), 60, f"all {len(parts)} pack parts in vulpes{c.logs()}")
+        vulpes_log = (c.state_dir(parcel) / "vulpes.log").read_text()
+        assert ("with the map of the parts to come" in vulpes_log) == (len(parts) > 1), (parts, vulpes_log)
+        assert f"resume pack part {len(parts) - 1} of" in vulpes_log, vulpes_log
         with c.console(parcel) as console:
             check_continues(console, marks)
             console.request_poweroff()
