@@ -10,8 +10,9 @@ back from the memory image at suspend, are the next resume's best prediction of 
 as Firecracker's REAP records them (measured: 96 % of the pages the next guest touched in its first 10 s were
 among the first 2,048 of them). They are packed in touch order, each page in one part: a first part of
 `FIRST_PART_BYTES`, which crosses the link before QEMU loads the device state and maps the pages of all the
-others, then smaller parts of `PART_BYTES`, which follow while the guest runs (`load`); vulpes serves their
-pages from RAM ahead of the chunks, and a guest fault on a page whose part is about to come waits for it.
+others, then smaller parts of `PART_BYTES`, which vulpes fetches itself while the guest runs (`load_rest`).
+vulpes serves their pages from RAM ahead of the chunks, and a guest fault on a page whose part is about to
+come waits for it.
 
 A session that booted cold makes no pack: what a boot touches says little about what a resume will.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from pathlib import Path
 
 from parcels import resumepack, seal
@@ -49,7 +49,7 @@ PACK_BYTES = 8 << 20
 PACK_BYTES_MAX = 32 << 20
 #: A pack costs at most about this much of the link at the suspend that makes it (its upload: vulpes's peak
 #: rate is a lower bound of the link's, 4.4-11 MB/s at 100 Mbit/s), and may cost this much at a resume beyond
-#: its first `PACK_BYTES` (`load`): on a 10 Mbit/s link 32 MiB would be 8 s at both ends.
+#: its first `PACK_BYTES` (`load_rest`): on a 10 Mbit/s link 32 MiB would be 8 s at both ends.
 PACK_LINK_SECONDS = 1.5
 #: Plaintext per byte on the link (measured: 8 MiB sealed to 2.6-3.0 MB, 32 MiB to 9-12 MB).
 PACK_RATIO = 2.8
@@ -201,20 +201,15 @@ def worth_loading(state: ParcelState, manifest: Manifest) -> bool:
 
 
 def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, vulpes: Vulpes,
-         names: list[str], *, keep: int | None = None, seconds: float = PACK_LINK_SECONDS) -> int:
+         names: list[str]) -> int:
     """Fetch the pack parts ``names`` in one request that streams them in order (`Remote.get_blobs`), check each
-    as it arrives and hand it to vulpes; returns their plaintext bytes.
-
-    With ``keep``, once that much plaintext is here the loading stops where the parts still to come would take
-    more than ``seconds`` at the pace the parts came so far: a pack made on a fast link would hold a
-    slow one's guest misses back (its parts cross while the guest waits for chunks) for pages the guest touches
-    far later, if at all.
+    as it arrives and hand it to vulpes; returns their plaintext bytes. The session loads the first part this
+    way, before QEMU starts; vulpes fetches the others itself (`load_rest`).
 
     A part that cannot be had or is damaged, or an answer that breaks off before it, ends the loading with a
     warning: the parts before it stay loaded, and the resume fetches the other chunks as it would without a
     pack."""
-    used = loaded = opened = 0
-    started = time.monotonic()
+    used = loaded = 0
     size = manifest.images["memory"].size
     try:
         with contextlib.closing(remote.get_blobs(state.parcel, manifest.version, names)) as arriving:
@@ -224,18 +219,24 @@ def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: Pa
                 vulpes.preload("memory", payload, part=resumepack.part_index(name))
                 used += part
                 loaded += 1
-                opened += len(payload)
                 log.info("resume pack %s: %d bytes of memory served before their chunks (%d bytes crossed the "
                          "link)", name, part, len(sealed))
-                if keep is not None and used >= keep and loaded < len(names):
-                    rest = sum(manifest.blobs[n].size for n in names[loaded:])       # payloads, as `opened`
-                    pace = opened / max(time.monotonic() - started, 1e-3)
-                    if rest > pace * seconds:
-                        log.info("resume pack: its last %d parts (%d bytes of payload) are not fetched: at the pace "
-                                 "of the others they would take %.1f s", len(names) - loaded, rest, rest / pace)
-                        break
     except (IsrError, ParcelError, OSError) as exc:
         log.warning("the resume pack of version %d is not used from %s on: %s", manifest.version,
                     names[min(loaded, len(names) - 1)], exc)
     return used
 
+
+def load_rest(state: ParcelState, manifest: Manifest, vulpes: Vulpes, names: list[str], *, keep: int | None = None,
+              seconds: float = PACK_LINK_SECONDS) -> None:
+    """Have vulpes fetch the pack parts ``names`` itself (vulpes/src/packload.h), each checked against this
+    manifest's length and digest. They cross on vulpes's connection right behind the guest's misses, paced so
+    that a miss never queues behind more than about a round trip of them: streamed to isr in one answer they
+    filled a 10 Mbit/s link's queue, and each miss waited 0.2-0.5 s behind them (BENCHMARKS.md).
+
+    With ``keep``, once that much plaintext is here vulpes stops where the parts still to come would take
+    more than ``seconds`` at the pace the parts came so far: a pack made on a fast link would hold a slow
+    one's guest misses back for pages the guest touches far later, if at all."""
+    parts = [{"path": Remote.blob_path(state.parcel, manifest.version, name), "part": resumepack.part_index(name),
+              "size": manifest.blobs[name].size, "sha256": manifest.blobs[name].sha256.hex()} for name in names]
+    vulpes.pack("memory", parts, keep=keep, seconds=seconds)

@@ -30,6 +30,7 @@
 #include "image.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -642,7 +643,7 @@ int image_preload(Image *img, uint8_t *payload, size_t len, uint32_t part) {
         pthread_mutex_unlock(&img->lock);
         log_info("%s: resume pack part %u of %zu extents, %llu bytes%s", img->name, part, info.n,
                  (unsigned long long) bytes, info.map ? ", with the map of the parts to come" : "");
-        return 0;
+        return bytes > INT_MAX ? INT_MAX : (int) bytes;
 }
 
 void image_preload_end(Image *img) {

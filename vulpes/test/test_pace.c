@@ -102,6 +102,8 @@ static void test_fills_a_fast_link(void **state) {
         assert_true(queue < 2.0 * PACE_TARGET_US);
         /* While a guest misses: half the bandwidth-delay product, 125 KB, is 2 objects. */
         assert_int_equal(pace_demand_limit(&p, link.free_at), 2);
+        /* The window in bytes: the rate times round trip plus target, 12.5 MB/s * 45 ms. */
+        assert_in_range(pace_window_bytes(&p, link.free_at), 450000, 700000);
 }
 
 static void test_slow_link_stays_at_the_minimum(void **state) {
@@ -113,15 +115,18 @@ static void test_slow_link_stays_at_the_minimum(void **state) {
 
         (void) state;
         pace_init(&p, 12);
-        /* Nothing measured yet: one background transfer beside a guest's miss. */
+        /* Nothing measured yet: one background transfer beside a guest's miss, and no window. */
         assert_int_equal(pace_demand_limit(&p, 1000), 1);
+        assert_int_equal(pace_window_bytes(&p, 1000), 0);
         took = simulate(&p, &link, 100, 60000, &peak, &queue) - 1000000;
         ideal = (uint64_t) (100.0 * 60000 / link.rate);
         assert_int_equal(peak, PACE_MIN_TRANSFERS);
         assert_true(took < ideal * 105 / 100);
         assert_in_range(pace_rate_peak(&p), 110000, 140000);
-        /* While a guest misses: none (half the bandwidth-delay product is 1.25 KB). */
+        /* While a guest misses: none (half the bandwidth-delay product is 1.25 KB).  The window, 125 KB/s *
+         * 45 ms, is less than one object. */
         assert_int_equal(pace_demand_limit(&p, link.free_at), 0);
+        assert_in_range(pace_window_bytes(&p, link.free_at), 4000, 9000);
         /* A demand request arriving now waits behind at most the objects in flight: about two. */
         assert_true(queue <= 60000 / link.rate * 1.01);
 }
