@@ -737,9 +737,15 @@ static uint64_t start_ready_locked(Fetcher *f) {
                         if ((order[q] == QUEUE_HOARD || order[q] == QUEUE_IDLE) &&
                             (f->active_hoard >= hoard_limit || f->queues[QUEUE_PACK].n || f->active_pack))
                                 break;
-                        if (order[q] == QUEUE_PACK && f->active_pack &&
-                            pack_to_come_locked(f) >= pace_window_bytes(&f->pace, now))
-                                break;
+                        if (order[q] == QUEUE_PACK) {
+                                uint64_t to_come = pack_to_come_locked(f), window = pace_window_bytes(&f->pace, now);
+
+                                if (f->active_pack && to_come >= window)
+                                        break;
+                                log_debug("GET %s pack starts: %u running with %llu bytes to come, window %llu",
+                                          r->hex, f->active_pack, (unsigned long long) to_come,
+                                          (unsigned long long) window);
+                        }
                         if (order[q] == QUEUE_UPLOAD && f->active_upload >= f->config.hoard_transfers)
                                 break;
                         if (r->not_before_us > now) {
