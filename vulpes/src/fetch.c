@@ -140,6 +140,7 @@ struct Fetcher {
         Request *completing;               /* out of the lists, its waiters being called (fetch thread) */
         uint64_t last_demand_us;           /* a demand request was queued or finished */
         Pace pace;                         /* how many hoard transfers may run (on the fetch thread) */
+        double pack_object_bytes;          /* the mean answer of the pack parts so far (0: none yet) */
         bool offline;
         unsigned full_speed;               /* fetch_set_full_speed() calls that are on */
         bool restart_throttled;            /* the fetch thread restarts running uploads that have a rate */
@@ -694,7 +695,8 @@ static unsigned background_limit_locked(Fetcher *f, uint64_t now) {
         return pace_background_limit(&f->pace, now);
 }
 
-/* The bytes of the running pack parts still to come: their answers' lengths once known, else their hints. */
+/* The bytes of the running pack parts still to come: their answers' lengths once known, else the mean of the
+ * parts so far (a part's hint is its plaintext, about three times what crosses), else their hints. */
 static uint64_t pack_to_come_locked(Fetcher *f) {
         uint64_t bytes = 0;
 
@@ -705,7 +707,8 @@ static uint64_t pack_to_come_locked(Fetcher *f) {
                         continue;
                 if (r->easy)
                         curl_easy_getinfo(r->easy, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &length);
-                length = length >= 0 ? length : (curl_off_t) r->size_hint;
+                if (length < 0)
+                        length = f->pack_object_bytes > 0 ? (curl_off_t) f->pack_object_bytes : (curl_off_t) r->size_hint;
                 bytes += (uint64_t) length > r->body_len ? (uint64_t) length - r->body_len : 0;
         }
         return bytes;
@@ -792,6 +795,10 @@ static void finished_transfers(Fetcher *f) {
                         curl_easy_getinfo(r->easy, CURLINFO_STARTTRANSFER_TIME_T, &ttfb);
                         pace_delivered(&f->pace, r->body_len);
                         pace_completed(&f->pace, now, ttfb > 0 ? (uint64_t) ttfb : 0, r->body_len);
+                        if (r->priority == FETCH_PACK)
+                                f->pack_object_bytes = f->pack_object_bytes > 0 ? f->pack_object_bytes * 0.75 +
+                                                                                  (double) r->body_len * 0.25
+                                                                                : (double) r->body_len;
                         /* What a demand miss waited for, and behind what: the figures bench/ reads. */
                         log_debug("GET %.12s %s %zu B: queued %.1f ms, first byte %.1f ms, done %.1f ms; "
                                   "running %u demand, %u background",
