@@ -10,7 +10,7 @@ back from the memory image at suspend, are the next resume's best prediction of 
 as Firecracker's REAP records them (measured: 96 % of the pages the next guest touched in its first 10 s were
 among the first 2,048 of them). They are packed in touch order, each page in one part: a first part of
 `FIRST_PART_BYTES`, which crosses the link before QEMU loads the device state and maps the pages of all the
-others, then smaller parts of `PART_BYTES`, which vulpes fetches itself while the guest runs (`load_rest`).
+others, then smaller parts (`part_bytes`), which vulpes fetches itself while the guest runs (`load_rest`).
 vulpes serves their pages from RAM ahead of the chunks, and a guest fault on a page whose part is about to
 come waits for it.
 
@@ -56,11 +56,13 @@ PACK_RATIO = 2.8
 #: The plaintext of the first part (256 pages), fetched before the guest starts (compressed, about 0.3 MB:
 #: 0.03 s at 100 Mbit/s, 0.3 s at 10, 3 s at 1).
 FIRST_PART_BYTES = 1 << 20
-#: The plaintext of each later part (64 pages, about 80 KB on the link: 65 ms at 10 Mbit/s). A guest miss
-#: that comes while one crosses waits for it: with 1 MiB parts, up to 0.3 s at 10 Mbit/s (BENCHMARKS.md,
-#: "demand first"). Waiting for the guest to stop missing instead starved the pack (its misses hardly stop
-#: before it answers) and doubled the time to the answer.
-PART_BYTES = 256 << 10
+#: The plaintext of each later part at least (16 pages, about 24 KB on the link: 20 ms at 10 Mbit/s); a longer
+#: pack has longer parts (`part_bytes`), as it may have `resumepack.PARTS_MAX` at most. vulpes lets a part start
+#: while fewer bytes of the running ones are still to come than about one bandwidth-delay product (24-56 KB at
+#: 10 Mbit/s +20 ms), and a guest miss waits behind what is on its way: with parts of 256 KiB (95 KB on the
+#: link), the misses of a 10 Mbit/s resume waited 80-150 ms for their first byte (BENCHMARKS.md, "vulpes
+#: fetches the resume pack"); with 1 MiB parts, in one request after another, up to 0.3 s ("demand first").
+PART_BYTES = 64 << 10
 _PAGE = 4096
 
 
@@ -70,6 +72,14 @@ def limit(rate_peak: float) -> int:
     to `PACK_BYTES_MAX`."""
     fits = int(rate_peak * PACK_LINK_SECONDS * PACK_RATIO) // _PAGE * _PAGE
     return max(PACK_BYTES, min(PACK_BYTES_MAX, fits))
+
+
+def part_bytes(limit: int) -> int:
+    """The plaintext of each later part of a pack of at most ``limit`` bytes: `PART_BYTES`, or whole pages enough
+    that `resumepack.PARTS_MAX` parts hold it."""
+    rest = max(0, limit - FIRST_PART_BYTES)
+    fits = -(-rest // (resumepack.PARTS_MAX - 1))
+    return max(PART_BYTES, -(-fits // _PAGE) * _PAGE)
 
 
 def first_touches(trace: Path, image: str, limit: int) -> list[tuple[int, int]]:
@@ -123,12 +133,14 @@ def extents(ranges: list[tuple[int, int]], image_size: int) -> list[tuple[int, i
 
 
 def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES, first: int = FIRST_PART_BYTES,
-          part: int = PART_BYTES) -> list[bytes]:
+          part: int | None = None) -> list[bytes]:
     """The pack's part payloads for the memory image at ``memory`` (vulpes's file, read after the guest
     stopped), from this session's ``trace``, first touches first, the first part ``first`` bytes and the
-    others ``part`` (the last part takes what is left once there are `resumepack.PARTS_MAX`); none if the trace
+    others ``part`` (default `part_bytes`; the last part takes what is left once there are
+    `resumepack.PARTS_MAX`); none if the trace
     recorded no memory reads. Each page is in one part only, and the first part carries the map of the others,
     so that a resume whose guest reaches a page before its part arrives waits for that part."""
+    part = part or part_bytes(limit)
     groups: list[list[tuple[int, int]]] = [[]]
     size = 0
     for offset, length in first_touches(trace, "memory", limit):

@@ -287,3 +287,10 @@ def test_limit_follows_the_link_within_bounds() -> None:
     assert pack.limit(12e6) == pack.PACK_BYTES_MAX                   # 100 Mbit/s: the most
     middle = pack.limit(5e6)
     assert pack.PACK_BYTES < middle < pack.PACK_BYTES_MAX and middle % 4096 == 0
+
+
+def test_later_parts_are_short_unless_the_pack_needs_more_room() -> None:
+    assert pack.part_bytes(pack.PACK_BYTES) == pack.PART_BYTES
+    longest = pack.part_bytes(pack.PACK_BYTES_MAX)
+    assert longest > pack.PART_BYTES and longest % 4096 == 0
+    assert pack.FIRST_PART_BYTES + (resumepack.PARTS_MAX - 1) * longest >= pack.PACK_BYTES_MAX

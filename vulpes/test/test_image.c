@@ -398,7 +398,10 @@ static double seconds_since(const struct timespec *start) {
 static void test_resume_pack_map_waits(void **state) {
         Fixture *f = *state;
         const TestExtent first[] = { { 10 * CS, 100, 0x11 } };
-        const TestExtent map[] = { { 4 * CS, CS, 1 }, { 6 * CS, CS, 2 }, { 8 * CS, CS, 5 } };
+        /* Parts of one chunk (4 KiB): a read waits up to PACK_WAIT_BYTES ahead, 128 parts; part 200 is beyond. */
+        const TestExtent map[] = { { 4 * CS, CS, 1 }, { 6 * CS, CS, 2 }, { 8 * CS, CS, 200 } };
+        const TestExtent near_map[] = { { 4 * CS, CS, 1 }, { 6 * CS, CS, 2 }, { 8 * CS, CS, 100 } };
+        const TestExtent far_part[] = { { 8 * CS, CS, 0x55 } };
         const TestExtent second[] = { { 4 * CS, CS, 0x44 } };
         uint8_t data[CS], *pack;
         size_t pack_len;
@@ -418,7 +421,7 @@ static void test_resume_pack_map_waits(void **state) {
         pack = make_pack_v2(first, 1, map, 3, &pack_len);
         assert_int_equal(image_preload(img, pack, pack_len, 0), 100);
 
-        /* Part 5 is too far ahead: the chunk is fetched (and fails) at once. */
+        /* Part 200 is too far ahead: the chunk is fetched (and fails) at once. */
         assert_int_equal(image_read(img, data, 10, 8 * CS), -EIO);
         /* Part 1 is next: the read waits for it and gets its bytes. */
         pr = (PackReader) { .img = img, .offset = 4 * CS + 20 };
@@ -446,6 +449,22 @@ static void test_resume_pack_map_waits(void **state) {
         assert_int_equal(image_read(img, data, 10, 4 * CS), -EIO);
         assert_true(seconds_since(&start) >= 1.9);
         assert_int_equal(image_read(img, data, 10, 6 * CS), -EIO);     /* the pack has ended: no second wait */
+        image_free(img);
+
+        /* Part 100 is within PACK_WAIT_BYTES of part 1 (in parts of the map's mean size), so a read of its bytes
+         * waits for it. */
+        img = open_image(f, 64 * CS);
+        pack = make_pack_v2(first, 1, near_map, 3, &pack_len);
+        assert_int_equal(image_preload(img, pack, pack_len, 0), 100);
+        pr = (PackReader) { .img = img, .offset = 8 * CS + 20 };
+        assert_int_equal(pthread_create(&reader, NULL, pack_reader, &pr), 0);
+        usleep(100 * 1000);
+        pack = make_pack_v2(far_part, 1, NULL, 0, &pack_len);
+        assert_int_equal(image_preload(img, pack, pack_len, 100), CS);
+        assert_int_equal(pthread_join(reader, NULL), 0);
+        assert_int_equal(pr.r, 100);
+        memset(data, 0x55, 100);
+        assert_memory_equal(pr.buf, data, 100);
         log_set_max_level(LOG_INFO);
         image_free(img);
 }
