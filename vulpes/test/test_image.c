@@ -383,6 +383,25 @@ static void *pack_reader(void *userdata) {
         return NULL;
 }
 
+/* A read of 100 bytes at offset, in a thread, waits for the part that holds them: which then comes, one extent
+ * of a chunk filled with fill; the read gets those bytes. */
+static void read_waits_for_part(Image *img, uint64_t offset, uint64_t chunk, uint32_t part, uint8_t fill) {
+        const TestExtent extent[] = { { chunk * CS, CS, fill } };
+        PackReader pr = { .img = img, .offset = offset };
+        uint8_t expected[sizeof(pr.buf)], *pack;
+        pthread_t reader;
+        size_t pack_len;
+
+        assert_int_equal(pthread_create(&reader, NULL, pack_reader, &pr), 0);
+        usleep(100 * 1000);
+        pack = make_pack_v2(extent, 1, NULL, 0, &pack_len);
+        assert_int_equal(image_preload(img, pack, pack_len, part), CS);
+        assert_int_equal(pthread_join(reader, NULL), 0);
+        assert_int_equal(pr.r, sizeof(pr.buf));
+        memset(expected, fill, sizeof(expected));
+        assert_memory_equal(pr.buf, expected, sizeof(expected));
+}
+
 static double seconds_since(const struct timespec *start) {
         struct timespec now;
 
@@ -401,13 +420,9 @@ static void test_resume_pack_map_waits(void **state) {
         /* Parts of one chunk (4 KiB): a read waits up to PACK_WAIT_BYTES ahead, 128 parts; part 200 is beyond. */
         const TestExtent map[] = { { 4 * CS, CS, 1 }, { 6 * CS, CS, 2 }, { 8 * CS, CS, 200 } };
         const TestExtent near_map[] = { { 4 * CS, CS, 1 }, { 6 * CS, CS, 2 }, { 8 * CS, CS, 100 } };
-        const TestExtent far_part[] = { { 8 * CS, CS, 0x55 } };
-        const TestExtent second[] = { { 4 * CS, CS, 0x44 } };
         uint8_t data[CS], *pack;
         size_t pack_len;
         ImageStatus st;
-        PackReader pr;
-        pthread_t reader;
         struct timespec start;
         Image *img = open_image(f, 64 * CS);
 
@@ -424,15 +439,7 @@ static void test_resume_pack_map_waits(void **state) {
         /* Part 200 is too far ahead: the chunk is fetched (and fails) at once. */
         assert_int_equal(image_read(img, data, 10, 8 * CS), -EIO);
         /* Part 1 is next: the read waits for it and gets its bytes. */
-        pr = (PackReader) { .img = img, .offset = 4 * CS + 20 };
-        assert_int_equal(pthread_create(&reader, NULL, pack_reader, &pr), 0);
-        usleep(100 * 1000);
-        pack = make_pack_v2(second, 1, NULL, 0, &pack_len);
-        assert_int_equal(image_preload(img, pack, pack_len, 1), CS);
-        assert_int_equal(pthread_join(reader, NULL), 0);
-        assert_int_equal(pr.r, 100);
-        memset(data, 0x44, 100);
-        assert_memory_equal(pr.buf, data, 100);
+        read_waits_for_part(img, 4 * CS + 20, 4, 1, 0x44);
         image_status(img, &st);
         assert_true(st.pack_waits >= 1);
         assert_int_equal(st.pack_parts, 2);
@@ -456,15 +463,7 @@ static void test_resume_pack_map_waits(void **state) {
         img = open_image(f, 64 * CS);
         pack = make_pack_v2(first, 1, near_map, 3, &pack_len);
         assert_int_equal(image_preload(img, pack, pack_len, 0), 100);
-        pr = (PackReader) { .img = img, .offset = 8 * CS + 20 };
-        assert_int_equal(pthread_create(&reader, NULL, pack_reader, &pr), 0);
-        usleep(100 * 1000);
-        pack = make_pack_v2(far_part, 1, NULL, 0, &pack_len);
-        assert_int_equal(image_preload(img, pack, pack_len, 100), CS);
-        assert_int_equal(pthread_join(reader, NULL), 0);
-        assert_int_equal(pr.r, 100);
-        memset(data, 0x55, 100);
-        assert_memory_equal(pr.buf, data, 100);
+        read_waits_for_part(img, 8 * CS + 20, 8, 100, 0x55);
         log_set_max_level(LOG_INFO);
         image_free(img);
 }
