@@ -14,7 +14,7 @@
  *
  * The resume pack's later parts (packload.c) come here too, on the same connection as the guest's misses,
  * right after them: a pack part starts while fewer bytes of the running ones are still to come than the
- * pacer's window (pace_window_bytes()), one at least.  In their own streamed answer they filled a slow
+ * pacer's window (pace_window_bytes_sustained()), one at least.  In their own streamed answer they filled a slow
  * link's queue, and each miss of the guest waited 0.2-0.5 s behind them (10 Mbit/s, BENCHMARKS.md).
  *
  * Failures are sorted into transient (cannot connect, timeout, reset, 5xx, 429, 408, 401 after re-reading
@@ -741,7 +741,8 @@ static uint64_t start_ready_locked(Fetcher *f) {
                             (f->active_hoard >= hoard_limit || f->queues[QUEUE_PACK].n || f->active_pack))
                                 break;
                         if (order[q] == QUEUE_PACK) {
-                                uint64_t to_come = pack_to_come_locked(f), window = pace_window_bytes(&f->pace, now);
+                                uint64_t to_come = pack_to_come_locked(f);
+                                uint64_t window = pace_window_bytes_sustained(&f->pace, now);
 
                                 if (f->active_pack && to_come >= window)
                                         break;

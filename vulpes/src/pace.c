@@ -130,6 +130,13 @@ uint64_t pace_window_bytes(const Pace *p, uint64_t now_us) {
         return rate && rtt ? (uint64_t) ((double) rate * (double) (rtt + PACE_TARGET_US) / 1e6) : 0;
 }
 
+uint64_t pace_window_bytes_sustained(const Pace *p, uint64_t now_us) {
+        uint64_t window = pace_window_bytes(p, now_us), rtt = pace_rtt_min_us(p);
+        uint64_t sustained = p->rate_peak && rtt ? p->rate_peak * (rtt + PACE_TARGET_US) / 1000000u : 0;
+
+        return sustained && sustained < window ? sustained : window;
+}
+
 unsigned pace_background_limit(const Pace *p, uint64_t now_us) {
         uint64_t window = pace_window_bytes(p, now_us);
         unsigned limit = PACE_MIN_TRANSFERS;
