@@ -17,6 +17,10 @@
 #include "crypto.h"
 #include "log.h"
 
+enum {
+        PACE_PARTS = 16,                /* the pace for a stop: over the last this many parts */
+};
+
 typedef struct PartRef {
         PackLoad *load;
         size_t index;                   /* into parts */
@@ -33,6 +37,9 @@ struct PackLoad {
         size_t n, finished;             /* finished: parts completed, loaded or not */
         unsigned loaded;
         uint64_t keep, used, opened, rest;   /* rest: payload bytes of the parts not completed */
+        /* (time, opened) when each of the last PACE_PARTS parts was loaded, a ring; at first the start's. */
+        uint64_t mark_us[PACE_PARTS], mark_opened[PACE_PARTS];
+        unsigned next_mark;
         double seconds;
         uint64_t started_us, ended_us;
         bool started, ended, stopped, failed;
@@ -145,6 +152,9 @@ static void on_part(int result, const uint8_t *object, size_t len, void *userdat
                         payload = NULL;         /* the image's now */
                         l->used += (uint64_t) r;
                         l->opened += payload_len;
+                        l->mark_us[l->next_mark] = now_us();
+                        l->mark_opened[l->next_mark] = l->opened;
+                        l->next_mark = (l->next_mark + 1) % PACE_PARTS;
                         l->loaded++;
                         r = 0;
                 }
@@ -157,7 +167,8 @@ static void on_part(int result, const uint8_t *object, size_t len, void *userdat
                 l->failed = drop = true;
         }
         if (r == 0 && !l->stopped && !l->failed &&
-            packload_should_stop(l->used, l->keep, l->rest, l->opened, now_us() - l->started_us, l->seconds)) {
+            packload_should_stop(l->used, l->keep, l->rest, l->opened - l->mark_opened[l->next_mark],
+                                 now_us() - l->mark_us[l->next_mark], l->seconds)) {
                 log_info("%s: resume pack: its last %llu bytes of payload are not fetched: at the pace of the others "
                          "they would take more than %.1f s", image_name(l->img), (unsigned long long) l->rest,
                          l->seconds);
@@ -196,6 +207,8 @@ int packload_start(PackLoad *l, Image *img, PackPart *parts, size_t n, uint64_t 
         l->rest = rest;
         l->seconds = seconds;
         l->started_us = now_us();
+        for (unsigned i = 0; i < PACE_PARTS; i++)
+                l->mark_us[i] = l->started_us;
         l->started = true;
         if (n == 0)
                 end_locked(l);

@@ -18,7 +18,7 @@
  * A part that cannot be had (the server has none, or its bytes do not open or match) ends the loading with
  * one warning: the parts already here stay, and no read waits for the others.  Past `keep` bytes of
  * plaintext, the loading stops where the parts still to come would take longer than `seconds` at the pace
- * the others came (packload_should_stop()): a pack made at a fast site is longer than a slow link should
+ * the last ones came (packload_should_stop()): a pack made at a fast site is longer than a slow link should
  * carry before the guest's own misses.
  *
  * Threading: packload_start() and packload_progress() from any thread; the parts complete on the fetch
@@ -58,8 +58,11 @@ int packload_start(PackLoad *l, Image *img, PackPart *parts, size_t n, uint64_t 
 void packload_progress(PackLoad *l, PackLoadProgress *ret);
 
 /*
- * Whether to stop with `rest` payload bytes still to come, `used` bytes of image loaded and `opened` bytes of
- * payload opened in elapsed_us: once used reaches keep, if the rest would take more than `seconds` at that pace.
+ * Whether to stop with `rest` payload bytes still to come and `used` bytes of image loaded, at a pace of
+ * `opened` bytes of payload in elapsed_us (packload.c takes them over the last 16 parts: since the start, the
+ * pace counted the pacer's first round trips, whose window was still growing, and at 100 Mbit/s a resume
+ * stopped after 70 of 248 parts): once used reaches keep, if the rest would take more than `seconds` at that
+ * pace.
  */
 bool packload_should_stop(uint64_t used, uint64_t keep, uint64_t rest, uint64_t opened, uint64_t elapsed_us,
                           double seconds);
