@@ -10,9 +10,8 @@ back from the memory image at suspend, are the next resume's best prediction of 
 as Firecracker's REAP records them (measured: 96 % of the pages the next guest touched in its first 10 s were
 among the first 2,048 of them). They are packed in touch order, each page in one part: a first part of
 `FIRST_PART_BYTES`, which crosses the link before QEMU loads the device state and maps the pages of all the
-others, then smaller parts (`part_bytes`), which vulpes fetches itself while the guest runs (`load_rest`).
-vulpes serves their pages from RAM ahead of the chunks, and a guest fault on a page whose part is about to
-come waits for it.
+others, then smaller parts of `PART_BYTES`, which follow while the guest runs (`load`); vulpes serves their
+pages from RAM ahead of the chunks, and a guest fault on a page whose part is about to come waits for it.
 
 A session that booted cold makes no pack: what a boot touches says little about what a resume will.
 """
@@ -21,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from pathlib import Path
 
 from parcels import resumepack, seal
@@ -49,20 +49,18 @@ PACK_BYTES = 8 << 20
 PACK_BYTES_MAX = 32 << 20
 #: A pack costs at most about this much of the link at the suspend that makes it (its upload: vulpes's peak
 #: rate is a lower bound of the link's, 4.4-11 MB/s at 100 Mbit/s), and may cost this much at a resume beyond
-#: its first `PACK_BYTES` (`load_rest`): on a 10 Mbit/s link 32 MiB would be 8 s at both ends.
+#: its first `PACK_BYTES` (`load`): on a 10 Mbit/s link 32 MiB would be 8 s at both ends.
 PACK_LINK_SECONDS = 1.5
 #: Plaintext per byte on the link (measured: 8 MiB sealed to 2.6-3.0 MB, 32 MiB to 9-12 MB).
 PACK_RATIO = 2.8
 #: The plaintext of the first part (256 pages), fetched before the guest starts (compressed, about 0.3 MB:
 #: 0.03 s at 100 Mbit/s, 0.3 s at 10, 3 s at 1).
 FIRST_PART_BYTES = 1 << 20
-#: The plaintext of each later part at least (16 pages, about 24 KB on the link: 20 ms at 10 Mbit/s); a longer
-#: pack has longer parts (`part_bytes`), as it may have `resumepack.PARTS_MAX` at most. vulpes lets a part start
-#: while fewer bytes of the running ones are still to come than about one bandwidth-delay product (24-56 KB at
-#: 10 Mbit/s +20 ms), and a guest miss waits behind what is on its way: with parts of 256 KiB (95 KB on the
-#: link), the misses of a 10 Mbit/s resume waited 80-150 ms for their first byte (BENCHMARKS.md, "vulpes
-#: fetches the resume pack"); with 1 MiB parts, in one request after another, up to 0.3 s ("demand first").
-PART_BYTES = 64 << 10
+#: The plaintext of each later part (64 pages, about 80 KB on the link: 65 ms at 10 Mbit/s). A guest miss
+#: that comes while one crosses waits for it: with 1 MiB parts, up to 0.3 s at 10 Mbit/s (BENCHMARKS.md,
+#: "demand first"). Waiting for the guest to stop missing instead starved the pack (its misses hardly stop
+#: before it answers) and doubled the time to the answer.
+PART_BYTES = 256 << 10
 _PAGE = 4096
 
 
@@ -72,14 +70,6 @@ def limit(rate_peak: float) -> int:
     to `PACK_BYTES_MAX`."""
     fits = int(rate_peak * PACK_LINK_SECONDS * PACK_RATIO) // _PAGE * _PAGE
     return max(PACK_BYTES, min(PACK_BYTES_MAX, fits))
-
-
-def part_bytes(limit: int) -> int:
-    """The plaintext of each later part of a pack of at most ``limit`` bytes: `PART_BYTES`, or whole pages enough
-    that `resumepack.PARTS_MAX` parts hold it."""
-    rest = max(0, limit - FIRST_PART_BYTES)
-    fits = -(-rest // (resumepack.PARTS_MAX - 1))
-    return max(PART_BYTES, -(-fits // _PAGE) * _PAGE)
 
 
 def first_touches(trace: Path, image: str, limit: int) -> list[tuple[int, int]]:
@@ -133,14 +123,12 @@ def extents(ranges: list[tuple[int, int]], image_size: int) -> list[tuple[int, i
 
 
 def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES, first: int = FIRST_PART_BYTES,
-          part: int | None = None) -> list[bytes]:
+          part: int = PART_BYTES) -> list[bytes]:
     """The pack's part payloads for the memory image at ``memory`` (vulpes's file, read after the guest
     stopped), from this session's ``trace``, first touches first, the first part ``first`` bytes and the
-    others ``part`` (default `part_bytes`; the last part takes what is left once there are
-    `resumepack.PARTS_MAX`); none if the trace
+    others ``part`` (the last part takes what is left once there are `resumepack.PARTS_MAX`); none if the trace
     recorded no memory reads. Each page is in one part only, and the first part carries the map of the others,
     so that a resume whose guest reaches a page before its part arrives waits for that part."""
-    part = part or part_bytes(limit)
     groups: list[list[tuple[int, int]]] = [[]]
     size = 0
     for offset, length in first_touches(trace, "memory", limit):
@@ -213,15 +201,20 @@ def worth_loading(state: ParcelState, manifest: Manifest) -> bool:
 
 
 def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, vulpes: Vulpes,
-         names: list[str]) -> int:
+         names: list[str], *, keep: int | None = None, seconds: float = PACK_LINK_SECONDS) -> int:
     """Fetch the pack parts ``names`` in one request that streams them in order (`Remote.get_blobs`), check each
-    as it arrives and hand it to vulpes; returns their plaintext bytes. The session loads the first part this
-    way, before QEMU starts; vulpes fetches the others itself (`load_rest`).
+    as it arrives and hand it to vulpes; returns their plaintext bytes.
+
+    With ``keep``, once that much plaintext is here the loading stops where the parts still to come would take
+    more than ``seconds`` at the pace the parts came so far: a pack made on a fast link would hold a
+    slow one's guest misses back (its parts cross while the guest waits for chunks) for pages the guest touches
+    far later, if at all.
 
     A part that cannot be had or is damaged, or an answer that breaks off before it, ends the loading with a
     warning: the parts before it stay loaded, and the resume fetches the other chunks as it would without a
     pack."""
-    used = loaded = 0
+    used = loaded = opened = 0
+    started = time.monotonic()
     size = manifest.images["memory"].size
     try:
         with contextlib.closing(remote.get_blobs(state.parcel, manifest.version, names)) as arriving:
@@ -231,24 +224,18 @@ def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: Pa
                 vulpes.preload("memory", payload, part=resumepack.part_index(name))
                 used += part
                 loaded += 1
+                opened += len(payload)
                 log.info("resume pack %s: %d bytes of memory served before their chunks (%d bytes crossed the "
                          "link)", name, part, len(sealed))
+                if keep is not None and used >= keep and loaded < len(names):
+                    rest = sum(manifest.blobs[n].size for n in names[loaded:])       # payloads, as `opened`
+                    pace = opened / max(time.monotonic() - started, 1e-3)
+                    if rest > pace * seconds:
+                        log.info("resume pack: its last %d parts (%d bytes of payload) are not fetched: at the pace "
+                                 "of the others they would take %.1f s", len(names) - loaded, rest, rest / pace)
+                        break
     except (IsrError, ParcelError, OSError) as exc:
         log.warning("the resume pack of version %d is not used from %s on: %s", manifest.version,
                     names[min(loaded, len(names) - 1)], exc)
     return used
 
-
-def load_rest(state: ParcelState, manifest: Manifest, vulpes: Vulpes, names: list[str], *, keep: int | None = None,
-              seconds: float = PACK_LINK_SECONDS) -> None:
-    """Have vulpes fetch the pack parts ``names`` itself (vulpes/src/packload.h), each checked against this
-    manifest's length and digest. They cross on vulpes's connection right behind the guest's misses, paced so
-    that a miss never queues behind more than about a round trip of them: streamed to isr in one answer they
-    filled a 10 Mbit/s link's queue, and each miss waited 0.2-0.5 s behind them (BENCHMARKS.md).
-
-    With ``keep``, once that much plaintext is here vulpes stops where the parts still to come would take
-    more than ``seconds`` at the pace the parts came so far: a pack made on a fast link would hold a slow
-    one's guest misses back for pages the guest touches far later, if at all."""
-    parts = [{"path": Remote.blob_path(state.parcel, manifest.version, name), "part": resumepack.part_index(name),
-              "size": manifest.blobs[name].size, "sha256": manifest.blobs[name].sha256.hex()} for name in names]
-    vulpes.pack("memory", parts, keep=keep, seconds=seconds)

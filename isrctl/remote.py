@@ -400,15 +400,10 @@ class Remote:
     def put_key_envelope(self, parcel: str, data: bytes, nonce: str) -> None:
         self.request("PUT", f"/v1/parcels/{parcel}/keyenvelope", content=data, nonce=nonce)
 
-    @staticmethod
-    def blob_path(parcel: str, version: int, name: str) -> str:
-        """The path of a version's blob under the server's URL (vulpes fetches the resume pack's parts there)."""
-        return f"/v1/parcels/{parcel}/versions/{version}/{name}"
-
     def get_blob(self, parcel: str, version: int, name: str,
                  progress: Callable[[int, int | None], None] | None = None) -> bytes:
         """A version's sealed blob; with ``progress``, reported as it arrives (see `download`)."""
-        path = self.blob_path(parcel, version, name)
+        path = f"/v1/parcels/{parcel}/versions/{version}/{name}"
         return self.request("GET", path).content if progress is None else self.download(path, progress)
 
     def get_blobs(self, parcel: str, version: int, names: Sequence[str],
@@ -425,7 +420,7 @@ class Remote:
         names = list(names)
         if not names:
             return
-        path = f"{self.blob_path(parcel, version, self.bundle_segment)}?names={','.join(names)}"
+        path = f"/v1/parcels/{parcel}/versions/{version}/{self.bundle_segment}?names={','.join(names)}"
         request = self.client.build_request("GET", path, headers=self._headers(True))
         with self._transport("GET", path):
             try:

@@ -119,6 +119,9 @@ class Session:
         self.trace_path: Path | None = None
         #: The guest continued from a saved state (not a cold boot): its trace can make the next resume pack.
         self.resumed = False
+        #: Set once the resume pack's parts are all with vulpes (at once if there are none to stream).
+        self._pack_loaded = threading.Event()
+        self._pack_loaded.set()
         self.vnc_text = "none"
         self._vnc: str | None = None
         #: The VNC display (None: none, or not chosen yet); chosen once, at the first QEMU start.
@@ -412,8 +415,16 @@ class Session:
                                       idle=True)
             self.reporter.say(f"  while the guest does not wait: the working set ({len(ws['disk'])} disk and "
                               f"{len(ws['memory'])} memory chunks), then the rest of the disk")
-        if start is not None:
-            start()           # after the rest of the resume pack: vulpes gives that the link first
+        if start is not None and not self._pack_loaded.is_set():
+            # The rest of the resume pack is what the guest will touch next: it has the link first.
+            def after_pack(start: Callable[[], Any] = start) -> None:
+                self._pack_loaded.wait()
+                with contextlib.suppress(IsrError):
+                    start()
+
+            threading.Thread(target=after_pack, name="hoard-after-pack", daemon=True).start()
+        elif start is not None:
+            start()
         if self.policy.writeback or self.options.writeback:
             self.vulpes.writeback(True, self.options.writeback_rate)
             rate = self.options.writeback_rate
@@ -977,7 +988,7 @@ class Session:
             return False
 
     def _load_resume_pack(self, manifest: Manifest) -> None:
-        """The version's resume pack to vulpes: its first part now, the others fetched by vulpes while the guest
+        """The version's resume pack to vulpes: its first part now, the others in the background while the guest
         runs on the first (`isrctl.pack`)."""
         assert self.client is not None and self.vulpes is not None
         names = pack.parts(manifest)
@@ -986,12 +997,21 @@ class Session:
             return
         self.reporter.say(f"  resume pack: {used / 2**20:.1f} MiB of memory ready before its chunks"
                           + (f", {len(names) - 1} more parts to follow" if len(names) > 1 else ""))
-        try:
-            pack.load_rest(self.state, manifest, self.vulpes, names[1:], keep=max(0, pack.PACK_BYTES - used))
-        except IsrError as exc:
-            log.warning("the resume pack's later parts are not used: %s", exc)
-            with contextlib.suppress(IsrError):
-                self.vulpes.preload_end("memory")     # no read waits for a part that will not come
+        if len(names) > 1:
+            client, vulpes = self.client, self.vulpes
+            self._pack_loaded.clear()
+
+            def rest() -> None:
+                try:
+                    with client.new_remote() as remote:
+                        pack.load(remote, self.state, manifest, self.keys, vulpes, names[1:],
+                                  keep=max(0, pack.PACK_BYTES - used))
+                finally:
+                    with contextlib.suppress(IsrError):
+                        vulpes.preload_end("memory")     # no read waits for a part that will not come
+                    self._pack_loaded.set()
+
+            threading.Thread(target=rest, name="resume-pack", daemon=True).start()
 
     def _make_resume_pack(self) -> list[dict[str, Any]]:
         """Seal this session's resume pack into ``local/resumepack*``; each part's digest and size, or none (the

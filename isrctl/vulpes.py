@@ -275,15 +275,6 @@ class Vulpes:
         finally:
             os.close(fd)
 
-    def pack(self, image: str, parts: list[dict[str, Any]], *, keep: int | None = None, seconds: float = 0.0) -> None:
-        """Have vulpes fetch the later parts of the resume pack of ``image`` itself, under its pacer (each
-        ``{"path", "part", "size", "sha256"}``: where on the server, its number, its payload's length and hex
-        digest); with ``keep``, it stops once that much is here where the rest would take over ``seconds``."""
-        request: dict[str, Any] = {"op": "pack", "image": image, "parts": parts}
-        if keep is not None:
-            request.update(keep=keep, seconds=seconds)
-        self.control(request)
-
     def preload_end(self, image: str) -> None:
         """No more parts of the resume pack of ``image`` will come: vulpes stops waiting for them."""
         self.control({"op": "preload", "image": image, "end": True})

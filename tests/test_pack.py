@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import random
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,11 +18,8 @@ from isrctl.remote import Remote
 from parcels import resumepack, seal
 from parcels.crypto import sha256
 from parcels.manifest import BlobInfo, ImageInfo, Manifest
-from tests.conftest import wait_until
 from tests.server_fixtures import ServerEnv, server_env  # noqa: F401
 from tests.test_format import sample_manifest
-from tests.vulpes_fixtures import CHUNK_SIZE, IsrServer, Vulpes, isr_server, make_state  # noqa: F401
-from tests.vulpes_fixtures import vulpes_binary  # noqa: F401  (pytest fixture)
 
 LINES = """# vulpes-trace 2 chunk_size=131072
 100.0 memory 3 r server 397312 32768
@@ -177,108 +173,35 @@ def test_load_takes_the_parts_from_one_bundle_until_one_is_damaged(server_env: S
                 assert len(warnings) == 1 and "version 2 is not used from resumepack.1 on" in warnings[0]
 
 
-class PackForwarder:
-    """Stands in for `isrctl.vulpes.Vulpes` where `pack.load_rest` asks vulpes to fetch the parts: sends the
-    request to the test's vulpes, as `Vulpes.pack` does."""
-
-    def __init__(self, vulpes: Vulpes) -> None:
-        self.vulpes = vulpes
-
-    def pack(self, image: str, parts: list[dict[str, Any]], *, keep: int | None = None, seconds: float = 0.0) -> None:
-        request: dict[str, Any] = {"op": "pack", "image": image, "parts": parts}
-        if keep is not None:
-            request.update(keep=keep, seconds=seconds)
-        response = self.vulpes.control(request)
-        assert response["ok"], response
-
-
-def test_vulpes_fetches_the_later_parts_checks_each_and_stops_where_told(vulpes_binary: Path, isr_server: IsrServer,
-                                                                        tmp_path: Path) -> None:
-    """`pack.load_rest` has vulpes fetch the later parts from a real server itself: each is opened with the
-    parcel key and checked against the manifest before vulpes serves its bytes. A damaged part, or one that does
-    not match the manifest, ends the loading with one warning and is never served (the chunk's own bytes are);
-    with ``keep``, vulpes stops where the rest would take longer than ``seconds``. Bad requests get one line."""
-    rng = random.Random(15)
-    image_size = 16 * CHUNK_SIZE
-    memory = rng.randbytes(image_size)
-    state = make_state(tmp_path / "state", bytes(CHUNK_SIZE), image_size, memory=memory)
-    state.publish(isr_server.store)
-    # Made-up bytes, one page per part in chunks 1, 3, 5: where a read is served from shows.
-    offsets = {index: (2 * index - 1) * CHUNK_SIZE + 4096 for index in (1, 2, 3)}
-    payloads = {index: resumepack.encode(image_size, [(offsets[index], bytes([index]) * 4096)]) for index in (1, 2, 3)}
-    names = [resumepack.part_name(index) for index in (1, 2, 3)]
-    sealed = {name: seal.seal(state.parcel_key, seal.KIND_DEVSTATE, payloads[index])
-              for index, name in zip((1, 2, 3), names)}
-    damaged = bytearray(sealed[names[1]])
-    damaged[-1] ^= 1
-    env = isr_server.env
-    parcel = env.new_parcel("alice")
-    with env.client("alice") as remote:
+@pytest.mark.parametrize("server_env", ["sqlite-directory"], indirect=True)
+def test_load_with_keep_stops_where_the_rest_would_take_too_long(server_env: ServerEnv,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Past ``keep`` bytes of plaintext, `pack.load` stops where the parts still to come would take longer than
+    ``seconds`` at the pace the others came (none here: it stops at once); with time to spare it takes all.
+    It asks for them in one streamed answer."""
+    parcel = server_env.new_parcel("alice")
+    key = os.urandom(32)
+    image_size = 1 << 20
+    payloads = [resumepack.encode(image_size, [(index * 8192, os.urandom(4096))]) for index in range(4)]
+    names = [resumepack.part_name(index) for index in range(4)]
+    with server_env.client("alice") as remote:
         nonce = remote.acquire(parcel, host="laptop")["nonce"]
-        for version, part2 in ((1, sealed[names[1]]), (2, bytes(damaged))):
-            blobs = {"manifest": b"m", "keyring.disk": b"k", "keyring.memory": b"k", **sealed, names[1]: part2}
-            for name, data in blobs.items():
-                remote.put_blob(parcel, name, data, nonce)
-            remote.commit(parcel, nonce, version - 1, list(blobs), [])
+        blobs = {"manifest": b"m", "keyring.disk": b"k", "keyring.memory": b"k",
+                 **{name: seal.seal(key, seal.KIND_DEVSTATE, payload) for name, payload in zip(names, payloads)}}
+        for name, data in blobs.items():
+            remote.put_blob(parcel, name, data, nonce)
+        remote.commit(parcel, nonce, 0, list(blobs), [])
         remote.release(parcel, nonce)
-    manifests = {version: pack_manifest(parcel, version, image_size, {n: payloads[i] for i, n in zip((1, 2, 3), names)})
-                 for version in (1, 2)}
-    expected = [r"memory: resume pack part \d of 1 extents, 4096 bytes", r"memory: resume pack: .*"]
-
-    def run(n: int, manifest: Manifest, **kwargs: Any) -> tuple[dict[str, Any], dict[int, bytes], str]:
-        with Vulpes(vulpes_binary, tmp_path / f"mnt{n}", state, tmp_path / f"cache{n}",
-                    server=isr_server.url, token_file=isr_server.token_file, ca=isr_server.ca,
-                    expected_output=[*expected, r"memory: the resume pack is not used from part 2 on: .*"]) as v:
-            pack.load_rest(SimpleNamespace(parcel=parcel), manifest, PackForwarder(v),  # type: ignore[arg-type]
-                           names, **kwargs)
-            wait_until(lambda: v.status()["resume_pack"]["ended"], 30, "the pack loading ends")
-            status = v.status()
-            assert status["images"]["memory"]["pack_parts"] == status["resume_pack"]["loaded"]
-            with open(v.path("memory"), "rb", buffering=0) as f:
-                served = {index: os.pread(f.fileno(), 4096, offsets[index]) for index in offsets}
-            again = v.control({"op": "pack", "image": "memory", "parts": []})
-            assert again == {"ok": False, "error": "the resume pack is loading already"}, again
-            return status["resume_pack"], served, v.output()
-
-    def real(index: int) -> bytes:
-        return memory[offsets[index]:offsets[index] + 4096]
-
-    # Version 1: every part comes, checked, and its bytes are what vulpes serves.
-    loading, served, log = run(1, manifests[1])
-    assert loading["loaded"] == loading["parts"] == 3 and not loading["failed"] and not loading["stopped"]
-    assert served == {index: bytes([index]) * 4096 for index in (1, 2, 3)}
-    assert "resume pack: 3 of 3 later parts loaded (12288 bytes)" in log, log
-    # Version 2: part 2 is damaged. It is never served; part 1 was, and part 3 may have come before it.
-    loading, served, log = run(2, manifests[2])
-    assert loading["failed"] and loading["loaded"] in (1, 2), loading
-    assert served[1] == bytes([1]) * 4096 and served[2] == real(2)
-    assert log.count("the resume pack is not used from part 2 on: it does not open with the parcel key") == 1, log
-    # A manifest whose digest for part 2 is another's: the same (no part is taken on the server's word).
-    other = dataclasses.replace(manifests[1], blobs={**manifests[1].blobs, names[1]: manifests[1].blobs[names[0]]})
-    loading, served, log = run(3, other)
-    assert loading["failed"] and served[2] == real(2), loading
-    assert "does not match the manifest" in log, log
-    # Past keep (nothing), the rest would take longer than no time at all: vulpes stops after the first.
-    loading, served, log = run(4, manifests[1], keep=0, seconds=0.0)
-    assert loading["stopped"] and not loading["failed"] and loading["loaded"] < 3, loading
-    assert "are not fetched: at the pace of the others" in log, log
-
-
-def test_vulpes_refuses_a_bad_pack_request_in_one_line(vulpes_binary: Path, isr_server: IsrServer,
-                                                       tmp_path: Path) -> None:
-    state = make_state(tmp_path / "state", bytes(CHUNK_SIZE), CHUNK_SIZE)
-    with Vulpes(vulpes_binary, tmp_path / "mnt", state, tmp_path / "cache", server=isr_server.url,
-                token_file=isr_server.token_file, ca=isr_server.ca) as v:
-        part = {"path": "/v1/parcels/x/versions/1/resumepack.1", "part": 1, "size": 10, "sha256": "00" * 32}
-        for request in ({"op": "pack", "parts": [part]},
-                        {"op": "pack", "image": "memory", "parts": [{**part, "path": "resumepack.1"}]},
-                        {"op": "pack", "image": "memory", "parts": [{**part, "part": 0}]},
-                        {"op": "pack", "image": "memory", "parts": [{**part, "sha256": "zz"}]},
-                        {"op": "pack", "image": "memory", "parts": [part, part]},
-                        {"op": "pack", "image": "memory", "parts": [part], "keep": 5}):
-            response = v.control(request)
-            assert response["ok"] is False and "\n" not in response["error"], (request, response)
-        assert "resume_pack" not in v.status()
+        manifest = pack_manifest(parcel, 1, image_size, dict(zip(names, payloads)))
+        for keep, seconds, loaded in ((8192, 0.0, 2), (0, 0.0, 1), (8192, 1e9, 4), (None, 0.0, 4)):
+            used, vulpes, requests = load_recorded(remote, parcel, manifest, key, names, caplog, keep=keep,
+                                                   seconds=seconds)
+            assert (used, vulpes.payloads) == (loaded * 4096, payloads[:loaded]), (keep, seconds)
+            assert requests == [f"/v1/parcels/{parcel}/versions/1/_bundle"]
+            stopped = [r.getMessage() for r in caplog.records if "are not fetched" in r.getMessage()]
+            assert len(stopped) == (loaded < 4) and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        # The connection the stopped bundle left is not needed again: the next request goes through.
+        assert remote.get_blob(parcel, 1, names[3]) == blobs[names[3]]
 
 
 def test_limit_follows_the_link_within_bounds() -> None:
@@ -287,10 +210,3 @@ def test_limit_follows_the_link_within_bounds() -> None:
     assert pack.limit(12e6) == pack.PACK_BYTES_MAX                   # 100 Mbit/s: the most
     middle = pack.limit(5e6)
     assert pack.PACK_BYTES < middle < pack.PACK_BYTES_MAX and middle % 4096 == 0
-
-
-def test_later_parts_are_short_unless_the_pack_needs_more_room() -> None:
-    assert pack.part_bytes(pack.PACK_BYTES) == pack.PART_BYTES
-    longest = pack.part_bytes(pack.PACK_BYTES_MAX)
-    assert longest > pack.PART_BYTES and longest % 4096 == 0
-    assert pack.FIRST_PART_BYTES + (resumepack.PARTS_MAX - 1) * longest >= pack.PACK_BYTES_MAX

@@ -28,7 +28,6 @@
 
 #include "crypto.h"
 #include "file.h"
-#include "hex.h"
 #include "log.h"
 #include "pack.h"
 
@@ -183,91 +182,6 @@ static json_t *op_preload(Control *c, json_t *request) {
         return op_status(c);
 }
 
-/* The "parts" of a pack request, or NULL with *ret_why set. */
-static PackPart *pack_parts(json_t *list, size_t *ret_n, const char **ret_why) {
-        size_t n = json_array_size(list), i;
-        PackPart *parts;
-        json_t *item;
-
-        *ret_why = "\"parts\" must be a list of up to 256 {\"path\": \"/...\", \"part\": 1..255, \"size\": bytes, "
-                   "\"sha256\": hex}";
-        if (!json_is_array(list) || n > IMAGE_PACKS_MAX)
-                return NULL;
-        parts = calloc(n ? n : 1, sizeof(*parts));
-        if (!parts) {
-                *ret_why = "out of memory";
-                return NULL;
-        }
-        json_array_foreach(list, i, item) {
-                const char *path = json_string_value(json_object_get(item, "path"));
-                const char *digest = json_string_value(json_object_get(item, "sha256"));
-                json_t *part = json_object_get(item, "part"), *size = json_object_get(item, "size");
-
-                if (!path || path[0] != '/' || strlen(path) > 2048 || !json_is_integer(part) ||
-                    json_integer_value(part) < 1 || json_integer_value(part) >= IMAGE_PACKS_MAX ||
-                    !json_is_integer(size) || json_integer_value(size) < 1 || json_integer_value(size) > INT32_MAX ||
-                    !digest || strlen(digest) != 64 || hex_decode_exact(digest, parts[i].sha256, 32) < 0)
-                        goto bad;
-                for (size_t j = 0; j < i; j++)
-                        if (parts[j].index == (uint32_t) json_integer_value(part))
-                                goto bad;
-                parts[i].index = (uint32_t) json_integer_value(part);
-                parts[i].size = (uint64_t) json_integer_value(size);
-                parts[i].path = strdup(path);
-                if (!parts[i].path) {
-                        *ret_why = "out of memory";
-                        goto bad;
-                }
-        }
-        *ret_n = n;
-        return parts;
-bad:
-        for (size_t j = 0; j < n; j++)
-                free(parts[j].path);
-        free(parts);
-        return NULL;
-}
-
-/*
- * {"op": "pack", "image": "memory", "parts": [{"path": P, "part": N, "size": S, "sha256": D}, ...], "keep": K,
- * "seconds": T}: vulpes fetches the resume pack's later parts itself (packload.h); with "keep", it stops
- * once K bytes are here where the rest would take longer than T seconds.  Answers at once.
- */
-static json_t *op_pack(Control *c, json_t *request) {
-        PackLoad *l = daemon_packload(c->daemon);
-        json_t *keep = json_object_get(request, "keep"), *seconds = json_object_get(request, "seconds");
-        Image *img = named_image(c, request);
-        const char *why;
-        PackPart *parts;
-        size_t n = 0;
-        int r;
-
-        if (!img)
-                return error_response("pack needs \"image\": disk or memory");
-        if (keep && (!json_is_integer(keep) || json_integer_value(keep) < 0 || !json_is_number(seconds) ||
-                     json_number_value(seconds) < 0))
-                return error_response("\"keep\" must be bytes, with \"seconds\" a number of seconds");
-        parts = pack_parts(json_object_get(request, "parts"), &n, &why);
-        if (!parts)
-                return error_response("%s", why);
-        if (!l) {
-                for (size_t i = 0; i < n; i++)
-                        free(parts[i].path);
-                free(parts);
-                return error_response("no server is configured");
-        }
-        r = packload_start(l, img, parts, n, keep ? (uint64_t) json_integer_value(keep) : PACKLOAD_KEEP_ALL,
-                           seconds ? json_number_value(seconds) : 0);
-        if (r < 0) {
-                for (size_t i = 0; i < n; i++)
-                        free(parts[i].path);
-                free(parts);
-                return error_response(r == -EBUSY ? "the resume pack is loading already" : "failed to load the resume "
-                                      "pack: %s", strerror(-r));
-        }
-        return op_status(c);
-}
-
 static json_t *op_hoard(Control *c, json_t *request) {
         Hoard *h = daemon_hoard(c->daemon);
         HoardTarget targets[_DAEMON_IMAGE_MAX];
@@ -384,8 +298,6 @@ static json_t *handle(Control *c, json_t *request) {
                 return op_hoard(c, request);
         if (strcmp(op, "preload") == 0)
                 return op_preload(c, request);
-        if (strcmp(op, "pack") == 0)
-                return op_pack(c, request);
         if (strcmp(op, "hoard-stop") == 0) {
                 if (!daemon_hoard(c->daemon))
                         return error_response("no server is configured");

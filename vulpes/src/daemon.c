@@ -27,7 +27,6 @@ struct Daemon {
         Fetcher *fetcher;
         Image *images[_DAEMON_IMAGE_MAX];
         Hoard *hoard;
-        PackLoad *packload;
         Writeback *writeback;
 };
 
@@ -43,10 +42,6 @@ Image *daemon_image(Daemon *d, DaemonImage id) {
 
 Hoard *daemon_hoard(Daemon *d) {
         return d->hoard;
-}
-
-PackLoad *daemon_packload(Daemon *d) {
-        return d->packload;
 }
 
 Writeback *daemon_writeback(Daemon *d) {
@@ -213,9 +208,6 @@ int daemon_new(const DaemonConfig *config, Daemon **ret) {
                 r = writeback_new(d->images, _DAEMON_IMAGE_MAX, d->cache, d->fetcher, &d->writeback);
                 if (r < 0)
                         goto out_free;
-                r = packload_new(d->fetcher, d->keys, &d->packload);
-                if (r < 0)
-                        goto out_free;
         }
         if (config->trace_path) {
                 r = daemon_trace_start(d, config->trace_path);
@@ -246,7 +238,6 @@ Daemon *daemon_free(Daemon *d) {
                                   image_names[i]);
         daemon_halt(d);
         d->fetcher = fetch_free(d->fetcher);
-        d->packload = packload_free(d->packload);      /* after the fetcher: it completes the queued parts */
         d->hoard = hoard_free(d->hoard);
         d->writeback = writeback_free(d->writeback);
         for (int i = 0; i < _DAEMON_IMAGE_MAX; i++)
@@ -393,10 +384,10 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
                 fetch_status(d->fetcher, &fs);
                 fprintf(f,
                         ",\"server\":true,\"offline\":%s,\"waiting\":%s,\"waiting_seconds\":%llu,\"queued_demand\":%u,"
-                        "\"queued_pack\":%u,\"queued_hoard\":%u,\"queued_idle\":%u,\"active\":%u,\"active_hoard\":%u,\"hoard_limit\":%u,"
+                        "\"queued_hoard\":%u,\"queued_idle\":%u,\"active\":%u,\"active_hoard\":%u,\"hoard_limit\":%u,"
                         "\"rtt_min_us\":%llu,\"rate\":%llu,\"rate_peak\":%llu,\"uploads_queued\":%u,\"last_error\":",
                         fs.offline ? "true" : "false", fs.waiting ? "true" : "false", U(fs.waiting_seconds),
-                        fs.queued[FETCH_DEMAND], fs.queued[FETCH_PACK], fs.queued[FETCH_HOARD], fs.queued[FETCH_IDLE], fs.active, fs.active_hoard, fs.hoard_limit,
+                        fs.queued[FETCH_DEMAND], fs.queued[FETCH_HOARD], fs.queued[FETCH_IDLE], fs.active, fs.active_hoard, fs.hoard_limit,
                         U(fs.rtt_min_us), U(fs.rate), U(fs.rate_peak), fs.uploads);
                 json_string(f, fs.last_error);
         } else {
@@ -430,17 +421,6 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
                         U(p.chunks_done), U(p.chunks_total), U(p.chunks_failed), U(p.chunks_unstored),
                         p.cache_full ? "true" : "false", U(p.bytes_done), U(p.bytes_total), U(p.bytes_fetched),
                         p.seconds, p.priority == FETCH_IDLE ? "idle" : "hoard");
-        }
-        if (d->packload) {
-                PackLoadProgress p;
-
-                packload_progress(d->packload, &p);
-                if (p.started)
-                        fprintf(f,
-                                ",\"resume_pack\":{\"ended\":%s,\"stopped\":%s,\"failed\":%s,\"parts\":%u,"
-                                "\"loaded\":%u,\"bytes\":%llu,\"seconds\":%.3f}",
-                                p.ended ? "true" : "false", p.stopped ? "true" : "false", p.failed ? "true" : "false",
-                                p.parts, p.loaded, U(p.bytes), p.seconds);
         }
         if (d->writeback) {
                 WritebackStatus w;

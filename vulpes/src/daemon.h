@@ -9,7 +9,6 @@
 #include "fetch.h"
 #include "hoard.h"
 #include "image.h"
-#include "packload.h"
 #include "stats.h"
 #include "trace.h"
 #include "writeback.h"
@@ -58,7 +57,6 @@ void daemon_halt(Daemon *d);
 Image *daemon_image(Daemon *d, DaemonImage id);
 const char *daemon_image_name(DaemonImage id);
 Hoard *daemon_hoard(Daemon *d);              /* NULL without a server */
-PackLoad *daemon_packload(Daemon *d);        /* NULL without a server */
 Writeback *daemon_writeback(Daemon *d);      /* NULL without a server */
 Trace *daemon_trace(Daemon *d);
 Cache *daemon_cache(Daemon *d);

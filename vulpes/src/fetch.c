@@ -12,11 +12,6 @@
  * out of a guest's bursts of misses.  A GET for a tag that is already queued or in flight gets the
  * existing request's result (one transfer, many waiters), and moves up to the highest priority asked.
  *
- * The resume pack's later parts (packload.c) come here too, on the same connection as the guest's misses,
- * right after them: a pack part starts while fewer bytes of the running ones are still to come than the
- * pacer's window (pace_window_bytes_sustained()), one at least.  In their own streamed answer they filled a slow
- * link's queue, and each miss of the guest waited 0.2-0.5 s behind them (10 Mbit/s, BENCHMARKS.md).
- *
  * Failures are sorted into transient (cannot connect, timeout, reset, 5xx, 429, 408, 401 after re-reading
  * the token, TLS trouble) and definitive (404/410: the chunk exists nowhere; bytes that fail the tag check
  * three times; other 4xx).  Transient ones are retried forever with capped exponential backoff, and the
@@ -77,7 +72,6 @@ typedef enum RequestKind {
 /* The queues: one per priority for GETs, one for uploads, and the running transfers. */
 enum {
         QUEUE_DEMAND = FETCH_DEMAND,
-        QUEUE_PACK = FETCH_PACK,
         QUEUE_HOARD = FETCH_HOARD,
         QUEUE_IDLE = FETCH_IDLE,
         QUEUE_UPLOAD,
@@ -97,9 +91,7 @@ typedef struct Request {
         RequestKind kind;
         FetchPriority priority;
         uint8_t tag[FETCH_TAG_LEN];
-        char hex[FETCH_TAG_LEN * 2 + 1];   /* a blob's: the last part of its path */
-        char *path;                        /* a blob (fetch_get_blob()), not a chunk: its path on the server */
-        size_t max_len, size_hint;         /* a blob's */
+        char hex[FETCH_TAG_LEN * 2 + 1];
         Waiter *waiters;
 
         CURL *easy;
@@ -136,11 +128,10 @@ struct Fetcher {
 
         pthread_mutex_t lock;
         List queues[_QUEUE_MAX];
-        unsigned active_demand, active_pack, active_hoard, active_upload;   /* hoard: with idle ones */
+        unsigned active_demand, active_hoard, active_upload;   /* hoard: with idle ones */
         Request *completing;               /* out of the lists, its waiters being called (fetch thread) */
         uint64_t last_demand_us;           /* a demand request was queued or finished */
         Pace pace;                         /* how many hoard transfers may run (on the fetch thread) */
-        double pack_object_bytes;          /* the mean answer of the pack parts so far (0: none yet) */
         bool offline;
         unsigned full_speed;               /* fetch_set_full_speed() calls that are on */
         bool restart_throttled;            /* the fetch thread restarts running uploads that have a rate */
@@ -196,19 +187,15 @@ static void request_move(Fetcher *f, Request *r, int queue) {
         list_append(&f->queues[queue], r, queue);
 }
 
-static const char *what(const Request *r) {
-        return r->path ? "blob" : "chunk";
-}
-
 static Request *get_find(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN]) {
         static const int searched[] = { QUEUE_DEMAND, QUEUE_HOARD, QUEUE_IDLE, QUEUE_ACTIVE };
         Request *c = f->completing;
 
         for (size_t i = 0; i < sizeof(searched) / sizeof(searched[0]); i++)
                 for (Request *r = f->queues[searched[i]].head; r; r = r->next)
-                        if (r->kind == REQUEST_GET && !r->path && memcmp(r->tag, tag, FETCH_TAG_LEN) == 0)
+                        if (r->kind == REQUEST_GET && memcmp(r->tag, tag, FETCH_TAG_LEN) == 0)
                                 return r;
-        if (c && c->kind == REQUEST_GET && !c->path && memcmp(c->tag, tag, FETCH_TAG_LEN) == 0)
+        if (c && c->kind == REQUEST_GET && memcmp(c->tag, tag, FETCH_TAG_LEN) == 0)
                 return c;
         return NULL;
 }
@@ -225,7 +212,6 @@ static Request *request_free(Request *r) {
         curl_slist_free_all(r->headers);
         free(r->body);
         free(r->redirect_url);
-        free(r->path);
         free(r);
         return NULL;
 }
@@ -285,7 +271,7 @@ static size_t on_body(char *data, size_t size, size_t nmemb, void *userdata) {
         Request *r = userdata;
         size_t len = size * nmemb;
 
-        if (r->body_len + len > (r->path ? r->max_len : OBJECT_MAX)) {
+        if (r->body_len + len > OBJECT_MAX) {
                 r->overflow = true;
                 return 0;
         }
@@ -393,8 +379,6 @@ static int transfer_setup(Fetcher *f, Request *r) {
                 snprintf(url, sizeof(url), "%s", r->redirect_url);
         else
                 snprintf(url, sizeof(url), "%s/v1/chunks/%s", f->server_url, r->hex);
-        if (r->path && !r->redirect_url)
-                snprintf(url, sizeof(url), "%s%s", f->server_url, r->path);
 
         SETOPT(e, CURLOPT_URL, url);
         SETOPT(e, CURLOPT_PRIVATE, r);
@@ -466,7 +450,6 @@ static void transfer_cleanup(Fetcher *f, Request *r) {
  * the object again, and is served here too.
  */
 static void request_complete(Fetcher *f, Request *r, int result) {
-        Request *outer;                    /* completing already: a waiter dropped requests (fetch_drop_queued()) */
         Waiter *w, *next;
 
         if (r->kind == REQUEST_GET && result == 0) {
@@ -478,7 +461,6 @@ static void request_complete(Fetcher *f, Request *r, int result) {
                 stats_add(&f->stats->upload_bytes, r->body_len);
         }
         pthread_mutex_lock(&f->lock);
-        outer = f->completing;
         f->completing = r;
         while ((w = r->waiters)) {
                 r->waiters = NULL;
@@ -491,7 +473,7 @@ static void request_complete(Fetcher *f, Request *r, int result) {
                 }
                 pthread_mutex_lock(&f->lock);
         }
-        f->completing = outer;
+        f->completing = NULL;
         pthread_mutex_unlock(&f->lock);
         request_free(r);
 }
@@ -546,7 +528,7 @@ static int transfer_finish(Fetcher *f, Request *r, CURLcode code, int *ret_resul
                 case CURLE_UNSUPPORTED_PROTOCOL:
                 case CURLE_URL_MALFORMAT:
                 case CURLE_NOT_BUILT_IN:
-                        log_error("failed to fetch %s %s: %s", what(r), r->hex, curl_easy_strerror(code));
+                        log_error("failed to fetch chunk %s: %s", r->hex, curl_easy_strerror(code));
                         *ret_result = -EIO;
                         return 1;
                 case CURLE_PEER_FAILED_VERIFICATION:
@@ -565,14 +547,14 @@ static int transfer_finish(Fetcher *f, Request *r, CURLcode code, int *ret_resul
         if (r->overflow) {
                 r->bad++;
                 stats_add(&f->stats->fetch_bad, 1);
-                snprintf(why, sizeof(why), "response for %s larger than any %s object", r->hex, what(r));
+                snprintf(why, sizeof(why), "response for %s larger than any chunk object", r->hex);
                 goto bad_bytes;
         }
 
         if (status >= 300 && status < 400 && status != 304) {
                 curl_easy_getinfo(r->easy, CURLINFO_REDIRECT_URL, &location);
                 if (!location || ++r->redirects > REDIRECT_LIMIT) {
-                        log_error("failed to fetch %s %s: bad redirect (HTTP %ld)", what(r), r->hex, status);
+                        log_error("failed to fetch chunk %s: bad redirect (HTTP %ld)", r->hex, status);
                         *ret_result = -EIO;
                         return 1;
                 }
@@ -605,7 +587,7 @@ static int transfer_finish(Fetcher *f, Request *r, CURLcode code, int *ret_resul
                         return 1;
                 }
         } else if (status == 200) {
-                if (r->path || chunk_verify_tag(r->body, r->body_len, r->tag) == 0) {
+                if (chunk_verify_tag(r->body, r->body_len, r->tag) == 0) {
                         *ret_result = 0;
                         return 1;
                 }
@@ -627,8 +609,7 @@ static int transfer_finish(Fetcher *f, Request *r, CURLcode code, int *ret_resul
                 snprintf(f->last_error, sizeof(f->last_error), "%s", why);
                 return 0;
         }
-        log_error("failed to %s %s %s: HTTP %ld", r->kind == REQUEST_GET ? "fetch" : "upload", what(r), r->hex,
-                  status);
+        log_error("failed to %s chunk %s: HTTP %ld", r->kind == REQUEST_GET ? "fetch" : "upload", r->hex, status);
         *ret_result = -EIO;
         return 1;
 
@@ -643,7 +624,7 @@ bad_bytes:
 }
 
 static const char *priority_name(FetchPriority p) {
-        static const char *const names[] = { "demand", "pack", "hoard", "idle" };
+        static const char *const names[] = { "demand", "hoard", "idle" };
 
         return (unsigned) p < _FETCH_PRIORITY_MAX ? names[p] : "?";
 }
@@ -652,8 +633,6 @@ static const char *priority_name(FetchPriority p) {
 static unsigned *active_of(Fetcher *f, const Request *r) {
         if (r->kind == REQUEST_PUT)
                 return &f->active_upload;
-        if (r->priority == FETCH_PACK)
-                return &f->active_pack;
         return r->priority == FETCH_DEMAND ? &f->active_demand : &f->active_hoard;
 }
 
@@ -695,30 +674,11 @@ static unsigned background_limit_locked(Fetcher *f, uint64_t now) {
         return pace_background_limit(&f->pace, now);
 }
 
-/* The bytes of the running pack parts still to come: their answers' lengths once known, else the mean of the
- * parts so far (a part's hint is its plaintext, about three times what crosses), else their hints. */
-static uint64_t pack_to_come_locked(Fetcher *f) {
-        uint64_t bytes = 0;
-
-        for (Request *r = f->queues[QUEUE_ACTIVE].head; r; r = r->next) {
-                curl_off_t length = -1;
-
-                if (r->kind != REQUEST_GET || r->priority != FETCH_PACK)
-                        continue;
-                if (r->easy)
-                        curl_easy_getinfo(r->easy, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &length);
-                if (length < 0)
-                        length = f->pack_object_bytes > 0 ? (curl_off_t) f->pack_object_bytes : (curl_off_t) r->size_hint;
-                bytes += (uint64_t) length > r->body_len ? (uint64_t) length - r->body_len : 0;
-        }
-        return bytes;
-}
-
 /* Starts every queued request that may start now; with the lock held.  Returns the µs until the next
  * backed-off request becomes ready (or a default poll interval). */
 static uint64_t start_ready_locked(Fetcher *f) {
         uint64_t now = now_us(), next = 1000000, wait;
-        static const int order[] = { QUEUE_DEMAND, QUEUE_PACK, QUEUE_UPLOAD, QUEUE_HOARD, QUEUE_IDLE };
+        static const int order[] = { QUEUE_DEMAND, QUEUE_UPLOAD, QUEUE_HOARD, QUEUE_IDLE };
         unsigned hoard_limit = background_limit_locked(f, now);
 
         if (f->offline)
@@ -736,20 +696,8 @@ static uint64_t start_ready_locked(Fetcher *f) {
 
                         if (f->queues[QUEUE_ACTIVE].n >= f->config.max_transfers)
                                 return next;
-                        /* The rest of the resume pack is what the guest touches next: it has the link first. */
-                        if ((order[q] == QUEUE_HOARD || order[q] == QUEUE_IDLE) &&
-                            (f->active_hoard >= hoard_limit || f->queues[QUEUE_PACK].n || f->active_pack))
+                        if ((order[q] == QUEUE_HOARD || order[q] == QUEUE_IDLE) && f->active_hoard >= hoard_limit)
                                 break;
-                        if (order[q] == QUEUE_PACK) {
-                                uint64_t to_come = pack_to_come_locked(f);
-                                uint64_t window = pace_window_bytes_sustained(&f->pace, now);
-
-                                if (f->active_pack && to_come >= window)
-                                        break;
-                                log_debug("GET %s pack starts: %u running with %llu bytes to come, window %llu",
-                                          r->hex, f->active_pack, (unsigned long long) to_come,
-                                          (unsigned long long) window);
-                        }
                         if (order[q] == QUEUE_UPLOAD && f->active_upload >= f->config.hoard_transfers)
                                 break;
                         if (r->not_before_us > now) {
@@ -796,10 +744,6 @@ static void finished_transfers(Fetcher *f) {
                         curl_easy_getinfo(r->easy, CURLINFO_STARTTRANSFER_TIME_T, &ttfb);
                         pace_delivered(&f->pace, r->body_len);
                         pace_completed(&f->pace, now, ttfb > 0 ? (uint64_t) ttfb : 0, r->body_len);
-                        if (r->priority == FETCH_PACK)
-                                f->pack_object_bytes = f->pack_object_bytes > 0 ? f->pack_object_bytes * 0.75 +
-                                                                                  (double) r->body_len * 0.25
-                                                                                : (double) r->body_len;
                         /* What a demand miss waited for, and behind what: the figures bench/ reads. */
                         log_debug("GET %.12s %s %zu B: queued %.1f ms, first byte %.1f ms, done %.1f ms; "
                                   "running %u demand, %u background",
@@ -1007,14 +951,6 @@ static Request *request_new(RequestKind kind, const uint8_t tag[FETCH_TAG_LEN], 
         return r;
 }
 
-/* Queues a new GET at its priority; with the lock held. */
-static void get_queue_locked(Fetcher *f, Request *r, FetchPriority priority) {
-        r->priority = priority;
-        list_append(&f->queues[priority], r, (int) priority);
-        if (priority == FETCH_DEMAND)
-                f->last_demand_us = now_us();
-}
-
 int fetch_get(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority priority, FetchDone done, void *userdata) {
         Request *r;
 
@@ -1057,57 +993,13 @@ int fetch_get(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority priori
                 pthread_mutex_unlock(&f->lock);
                 return -ENOMEM;
         }
-        get_queue_locked(f, r, priority);
+        r->priority = priority;
+        list_append(&f->queues[priority], r, (int) priority);
+        if (priority == FETCH_DEMAND)
+                f->last_demand_us = now_us();
         pthread_mutex_unlock(&f->lock);
         curl_multi_wakeup(f->multi);
         return 0;
-}
-
-int fetch_get_blob(Fetcher *f, const char *path, size_t max_len, size_t size_hint, FetchPriority priority,
-                   FetchDone done, void *userdata) {
-        static const uint8_t no_tag[FETCH_TAG_LEN];
-        const char *name = strrchr(path, '/');
-        Request *r;
-
-        if (path[0] != '/' || (unsigned) priority >= _FETCH_PRIORITY_MAX || !max_len)
-                return -EINVAL;
-        r = request_new(REQUEST_GET, no_tag, done, userdata);
-        if (!r)
-                return -ENOMEM;
-        r->path = strdup(path);
-        if (!r->path) {
-                request_free(r);
-                return -ENOMEM;
-        }
-        snprintf(r->hex, sizeof(r->hex), "%s", name + 1);
-        r->max_len = max_len;
-        r->size_hint = size_hint;
-        pthread_mutex_lock(&f->lock);
-        if (f->stopping) {
-                pthread_mutex_unlock(&f->lock);
-                request_free(r);
-                return -ECANCELED;
-        }
-        get_queue_locked(f, r, priority);
-        pthread_mutex_unlock(&f->lock);
-        curl_multi_wakeup(f->multi);
-        return 0;
-}
-
-void fetch_drop_queued(Fetcher *f, FetchPriority priority) {
-        List dropped = { 0 };
-        Request *r;
-
-        pthread_mutex_lock(&f->lock);
-        while ((r = f->queues[priority].head)) {
-                list_remove(&f->queues[priority], r);
-                list_append(&dropped, r, -1);
-        }
-        pthread_mutex_unlock(&f->lock);
-        while ((r = dropped.head)) {
-                list_remove(&dropped, r);
-                request_complete(f, r, -ECANCELED);
-        }
 }
 
 int fetch_put(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], const void *object, size_t len, uint64_t max_rate,
@@ -1223,7 +1115,6 @@ void fetch_status(Fetcher *f, FetchStatus *ret) {
         pthread_mutex_lock(&f->lock);
         ret->offline = f->offline;
         ret->queued[FETCH_DEMAND] = f->queues[QUEUE_DEMAND].n;
-        ret->queued[FETCH_PACK] = f->queues[QUEUE_PACK].n;
         ret->queued[FETCH_HOARD] = f->queues[QUEUE_HOARD].n;
         ret->queued[FETCH_IDLE] = f->queues[QUEUE_IDLE].n;
         ret->active = f->queues[QUEUE_ACTIVE].n;

@@ -11,7 +11,6 @@
 
 typedef enum FetchPriority {
         FETCH_DEMAND,       /* a guest read is waiting */
-        FETCH_PACK,         /* the resume pack's parts (fetch_get_blob()): paced in bytes on their way (fetch.c) */
         FETCH_HOARD,        /* background prefetch: only when no demand request is ready to start */
         FETCH_IDLE,         /* background that waits until no guest has waited for a while (fetch.c) */
         _FETCH_PRIORITY_MAX,
@@ -65,18 +64,6 @@ Fetcher *fetch_free(Fetcher *f);
  * verified against its tag before it is handed to a callback.
  */
 int fetch_get(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority priority, FetchDone done, void *userdata);
-
-/*
- * Queues a GET of the object at path under the server's URL ("/v1/parcels/.../resumepack.1"): not a chunk,
- * so it is not checked against a tag (the caller authenticates it) and shares no transfer.  An answer longer
- * than max_len is bad bytes.  size_hint, the object's expected length, paces FETCH_PACK requests until the
- * answer's Content-Length is known.
- */
-int fetch_get_blob(Fetcher *f, const char *path, size_t max_len, size_t size_hint, FetchPriority priority,
-                   FetchDone done, void *userdata);
-
-/* Drops every request of this priority that has not started: each completes with -ECANCELED. */
-void fetch_drop_queued(Fetcher *f, FetchPriority priority);
 
 /* fetch_get() and wait: the object is malloc()ed. */
 int fetch_get_wait(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority priority, uint8_t **ret_object,

@@ -30,7 +30,6 @@
 #include "image.h"
 
 #include <errno.h>
-#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -82,13 +81,12 @@ typedef struct Pack {
 /*
  * A read of bytes that the resume pack's map puts in a part still on its way waits for that part, rather than
  * fetching the chunk (whose other pages the guest mostly does not touch, and whose transfer slows the pack's),
- * if the part is at most PACK_WAIT_BYTES of the image (in parts of the map's mean size, at least two) after the
- * first part not here yet; a part further away would come too late, so its chunk is fetched.  If no part
- * arrives for PACK_STALL_MS, the pack counts as ended: no read waits for it any more.
+ * if the part is at most PACK_WAIT_PARTS after the first part not here yet; a part further away would come too
+ * late, so its chunk is fetched.  If no part arrives for PACK_STALL_MS, the pack counts as ended: no read waits
+ * for it any more.
  */
 enum {
-        PACK_WAIT_BYTES = 512 << 10,
-        PACK_WAIT_PARTS_MIN = 2,
+        PACK_WAIT_PARTS = 2,
         PACK_STALL_MS = 2000,
 };
 
@@ -148,7 +146,6 @@ struct Image {
         size_t pack_map_n;
         bool pack_have[IMAGE_PACKS_MAX];
         uint32_t pack_next;
-        uint32_t pack_wait_parts;          /* how far ahead of pack_next a read waits (PACK_WAIT_BYTES) */
         uint64_t pack_progress_ns;
         bool pack_ended;
         uint64_t pack_waits, pack_wait_ns;
@@ -636,19 +633,8 @@ int image_preload(Image *img, uint8_t *payload, size_t len, uint32_t part) {
                 img->pack_next++;
         img->pack_progress_ns = monotonic_ns();
         if (info.map && !img->pack_map) {
-                bool named[IMAGE_PACKS_MAX] = { false };
-                uint64_t mapped = 0, parts = 0;
-
-                for (size_t i = 0; i < info.n_map; i++) {
-                        mapped += info.map[i].len;
-                        parts += !named[info.map[i].part];
-                        named[info.map[i].part] = true;
-                }
                 img->pack_map = info.map;
                 img->pack_map_n = info.n_map;
-                img->pack_wait_parts = mapped ? (uint32_t) ((uint64_t) PACK_WAIT_BYTES * parts / mapped) : 0;
-                if (img->pack_wait_parts < PACK_WAIT_PARTS_MIN)
-                        img->pack_wait_parts = PACK_WAIT_PARTS_MIN;
         } else {
                 free(info.map);
         }
@@ -656,7 +642,7 @@ int image_preload(Image *img, uint8_t *payload, size_t len, uint32_t part) {
         pthread_mutex_unlock(&img->lock);
         log_info("%s: resume pack part %u of %zu extents, %llu bytes%s", img->name, part, info.n,
                  (unsigned long long) bytes, info.map ? ", with the map of the parts to come" : "");
-        return bytes > INT_MAX ? INT_MAX : (int) bytes;
+        return 0;
 }
 
 void image_preload_end(Image *img) {
@@ -667,7 +653,7 @@ void image_preload_end(Image *img) {
 }
 
 /*
- * Whether a read of [pos, pos + len) should wait for a part of the resume pack on its way (see PACK_WAIT_BYTES);
+ * Whether a read of [pos, pos + len) should wait for a part of the resume pack on its way (see PACK_WAIT_PARTS);
  * if so, waits (under lock) until a part comes, the pack ends or stalls, and returns true: the caller looks
  * again.
  */
@@ -680,7 +666,7 @@ static bool pack_wait_locked(Image *img, uint64_t pos, size_t len) {
                 return false;
         e = pack_map_find(img->pack_map, img->pack_map_n, pos);
         if (!e || pos + len > e->offset + e->len || img->pack_have[e->part] ||
-            e->part > img->pack_next + img->pack_wait_parts - 1)
+            e->part > img->pack_next + PACK_WAIT_PARTS - 1)
                 return false;
         now = monotonic_ns();
         deadline_ns = img->pack_progress_ns + (uint64_t) PACK_STALL_MS * 1000000ULL;

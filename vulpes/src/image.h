@@ -113,9 +113,8 @@ void image_read_release(Image *img, const struct iovec *iov, size_t n, uint64_t 
  * image from then on, wiped when it is freed): reads of bytes a part holds, in chunks that are not in RAM and
  * have not been written since, are served from it without loading the chunk.  Parts may come while the guest
  * runs, in any order, each once (-EBUSY for a part already here; -EINVAL for an index of IMAGE_PACKS_MAX or
- * more); -EBADMSG if the payload is not a pack for this image (then the caller keeps it).  Returns the image
- * bytes the part holds (INT_MAX if more).  The first part with
- * a map makes reads of the bytes it puts in a part soon to come wait for that part (image.c, PACK_WAIT_BYTES)
+ * more); -EBADMSG if the payload is not a pack for this image (then the caller keeps it).  The first part with
+ * a map makes reads of the bytes it puts in a part soon to come wait for that part (image.c, PACK_WAIT_PARTS)
  * until image_preload_end().
  */
 #define IMAGE_PACKS_MAX PACK_PARTS_MAX

@@ -124,26 +124,14 @@ unsigned pace_demand_limit(const Pace *p, uint64_t now_us) {
         return n < (double) limit ? (unsigned) n : limit;
 }
 
-uint64_t pace_window_bytes(const Pace *p, uint64_t now_us) {
-        uint64_t rate = pace_rate(p, now_us), rtt = pace_rtt_min_us(p);
-
-        return rate && rtt ? (uint64_t) ((double) rate * (double) (rtt + PACE_TARGET_US) / 1e6) : 0;
-}
-
-uint64_t pace_window_bytes_sustained(const Pace *p, uint64_t now_us) {
-        uint64_t window = pace_window_bytes(p, now_us), rtt = pace_rtt_min_us(p);
-        uint64_t sustained = p->rate_peak && rtt ? p->rate_peak * (rtt + PACE_TARGET_US) / 1000000u : 0;
-
-        return sustained && sustained < window ? sustained : window;
-}
-
 unsigned pace_background_limit(const Pace *p, uint64_t now_us) {
-        uint64_t window = pace_window_bytes(p, now_us);
+        uint64_t rate = pace_rate(p, now_us), rtt = pace_rtt_min_us(p);
+        double window, n;
         unsigned limit = PACE_MIN_TRANSFERS;
-        double n;
 
-        if (window && p->object_bytes >= 1) {
-                n = (double) window / p->object_bytes;
+        if (rate && rtt && p->object_bytes >= 1) {
+                window = (double) rate * (double) (rtt + PACE_TARGET_US) / 1e6;
+                n = window / p->object_bytes;
                 if (n > (double) p->max_transfers)
                         limit = p->max_transfers;
                 else if (n > PACE_MIN_TRANSFERS)

@@ -62,21 +62,6 @@ void pace_completed(Pace *p, uint64_t now_us, uint64_t ttfb_us, size_t object_by
 unsigned pace_background_limit(const Pace *p, uint64_t now_us);
 
 /*
- * The window in bytes, rate_max * (rtt_min + PACE_TARGET_US) (0: not measured yet): what may be on its way
- * without a demand request queueing more than PACE_TARGET_US behind it.  The resume pack's parts (fetch.c)
- * are paced by it directly, in bytes still to come, being few and large.
- */
-uint64_t pace_window_bytes(const Pace *p, uint64_t now_us);
-
-/*
- * The same at the lesser of rate_max and the peak over half-second windows (pace_rate_peak()), once there is
- * one: rate_max's samples span a few round trips, which bursts fill well above the link's rate (a token
- * bucket's, or a queue that drains at once: 2.6 MB/s on a 10 Mbit/s link while many small objects crossed),
- * and a window that large queues that much more ahead of a demand request.
- */
-uint64_t pace_window_bytes_sustained(const Pace *p, uint64_t now_us);
-
-/*
  * How many may run while a guest is missing (its misses come one after another, each a round trip): the
  * objects that fit in half a bandwidth-delay product, rate_max * rtt_min / 2, and never more than
  * pace_background_limit().  A miss then waits at most about half a round trip behind them.  On a link where
