@@ -336,7 +336,8 @@ def run_site_a2(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, 
                 timeout: float) -> dict[str, Any]:
     """With --hops 2, site A2 (a fresh cache on A's link): resume A's version (demand), answer, run the workload,
     suspend and check in. Site B then resumes a version that a resumed session made, as most resumes in
-    real use are (only such a session records a resume pack)."""
+    real use are (only such a session records a resume pack). A2's suspend is timed as A's is (t2): it makes
+    and uploads the resume pack, which is what the pack costs."""
     with site(env, "A2", root, net, server, parcel, timeout) as a2:
         started = time.monotonic()
         a2.isr("resume", parcel.name, "--detach", "--vnc", "unix", "--keyfile", str(parcel.keyfile),
@@ -346,9 +347,16 @@ def run_site_a2(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, 
             answered = time.monotonic() - started
             check_workload(console.run_workload(timeout=timeout), guest)
             console.set_token()
+        link = LinkCounter(net)
+        started = time.monotonic()
         suspend = a2.isr("suspend", parcel.name, timeout=timeout).stdout
         a2.wait_session_end(parcel, timeout=timeout)
-    return {"a2_answered_s": answered, "a2_made_pack": number_after(r"resume pack ([0-9.]+) s", suspend) is not None}
+        t2 = time.monotonic() - started
+        up = link.delta()[1]
+    pack_s = number_after(r"resume pack ([0-9.]+) s", suspend)
+    return {"a2_answered_s": answered, "a2_made_pack": pack_s is not None, "a2_pack_s": pack_s, "a2_t2": t2,
+            "a2_t2_safe": number_after(r"safe at this site after ([0-9.]+) s", suspend),
+            "a2_checkin_link_bytes": up}
 
 
 def run_site_b(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, net: NetSite, server: str,
@@ -418,6 +426,10 @@ def run_isr_group(env: IsrEnv, guest: GuestArtifacts, work: Path, nets: list[Net
     if a["status"] == "ok":
         say(f"{tag}: A booted in {a['boot_s']:.1f} s, workload {a['workload_a_s']:.1f} s, t2 {a['t2']:.1f} s "
             f"(safe after {a['t2_safe']} s), {a['checkin_link_bytes'] / MIB:.1f} MiB up")
+        if hops == 2:
+            pack = f", its resume pack made in {a['a2_pack_s']} s" if a["a2_made_pack"] else ", no resume pack"
+            say(f"{tag}: A2 answered after {a['a2_answered_s']:.1f} s, t2 {a['a2_t2']:.1f} s (safe after "
+                f"{a['a2_t2_safe']} s), {a['a2_checkin_link_bytes'] / MIB:.1f} MiB up{pack}")
     cells = []
     for policy in policies:
         cell: dict[str, Any] = {**key, "policy": policy, "site_a": {k: v for k, v in a.items() if k != "error"}}
