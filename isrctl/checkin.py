@@ -22,10 +22,11 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from isrprogress import NullReporter, Reporter
 from parcels import crypto, firmware, resumepack, seal
+from parcels.errors import ParcelError
 from parcels.keyring import HEADER_SIZE, RECORD_SIZE, decode_stream
 from parcels.manifest import IMAGES, BlobInfo, ImageInfo, Manifest, Timestamps, open_manifest, seal_manifest, utc_now
 from parcels.parcel import ParcelKeys
@@ -35,7 +36,7 @@ from . import background, paths, workingset
 from .checkout import Client, lock_broken_message
 from .errors import CheckinError, LockBroken, LockNotReleased, StateError, VulpesFailure
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, Checkout, LocalChange, ParcelState
-from .remote import ChunksMissing, LockLost, Remote, RemoteError, VersionConflict
+from .remote import ChunksMissing, LockLost, Remote, RemoteError, RemoteNotFound, RemoteUnreachable, VersionConflict
 from .vulpes import cache_object_path, release_pins
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,47 @@ def upload_from_cache(client: Client, tags: list[str], reporter: Reporter, *, la
         # Say what was sent, not what was meant to be: an upload cut short says how far it got.
         bar.close(f"{len(tags)} chunks" if sent_chunks == len(tags) else f"{sent_chunks} of {len(tags)} chunks sent")
     return sent
+
+
+def landed(remote: Remote, parcel: str, parcel_key: bytes, manifest: Manifest) -> bool:
+    """Whether the server's version ``manifest.version`` is this ``manifest``'s state: the same images (keyring
+    digests) and blobs (payload digests). Its sealed bytes would not do: a checkin run again seals the same
+    state with another salt."""
+    try:
+        theirs = open_manifest(parcel_key, remote.get_blob(parcel, manifest.version, MANIFEST),
+                               parcel=manifest.parcel, version=manifest.version)
+    except RemoteNotFound:
+        return False
+    return theirs.images == manifest.images and theirs.blobs == manifest.blobs
+
+
+def commit(remote: Remote, parcel: str, parcel_key: bytes, manifest: Manifest,
+           commit_it: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``commit_it()``, the commit of ``manifest`` (version parent + 1), safe against a lost answer. If the
+    connection breaks after the request went out, the server may have committed: then it asks whether it did
+    (`landed`), and commits again only if not. A commit refused because the server's current version is no
+    longer the parent is this one if that version holds this state (an earlier checkin whose answer was lost):
+    that counts as committed. Raises what ``commit_it`` raises otherwise."""
+    try:
+        return commit_it()
+    except RemoteUnreachable as exc:
+        lost = exc
+    except VersionConflict as conflict:
+        try:
+            mine = landed(remote, parcel, parcel_key, manifest)
+        except (RemoteError, ParcelError):
+            raise conflict from None
+        if not mine:
+            raise
+        log.info("version %d of %s holds this checkin already (an earlier answer was lost)", manifest.version, parcel)
+        return {"version": manifest.version}
+    try:
+        if landed(remote, parcel, parcel_key, manifest):
+            log.info("the answer to the commit of version %d was lost; the server has it", manifest.version)
+            return {"version": manifest.version}
+    except (RemoteError, ParcelError):
+        raise lost from None
+    return commit_it()
 
 
 def per_suspend(name: str) -> bool:
@@ -295,12 +337,15 @@ def checkin(client: Client, state: ParcelState, parcel_keys: ParcelKeys, *, keep
         tags = [t.hex() for t in changes.all_tags]
         working = workingset.tags(manifest.working_set,
                                   {image: workingset.stream_records(changes.streams[image]) for image in IMAGES})
+        def commit_it() -> dict[str, Any]:
+            return remote.commit(parcel, lock.nonce, base.version, list(sealed), tags, inherit, working)
+
         try:
-            record = remote.commit(parcel, lock.nonce, base.version, list(sealed), tags, inherit, working)
+            record = commit(remote, parcel, parcel_keys.parcel_key, manifest, commit_it)
         except ChunksMissing as exc:
             log.info("server lacks %d chunks at commit: uploading them", len(exc.missing))
             upload_from_cache(client, exc.missing, reporter, label="uploading the chunks the server lacks")
-            record = remote.commit(parcel, lock.nonce, base.version, list(sealed), tags, inherit, working)
+            record = commit(remote, parcel, parcel_keys.parcel_key, manifest, commit_it)
     except LockLost:
         raise LockBroken(lock_broken_message(client, parcel, checkout.name)) from None
     except VersionConflict as exc:
