@@ -231,7 +231,9 @@ static int hoard_one(Hoard *h, Image *img, uint64_t idx) {
         while (h->outstanding >= h->window && !h->stop && !h->progress.cache_full)
                 pthread_cond_wait(&h->cond, &h->lock);
         if (h->stop || h->progress.cache_full) {
-                r = h->stop ? -ECANCELED : -ENOSPC;
+                /* A full cache ends the fetching, not the walk: the chunks after this one that are in the cache
+                 * are counted all the same (the status says how many are really here). */
+                r = h->stop ? -ECANCELED : 0;
                 pthread_mutex_unlock(&h->lock);
                 free(p);
                 return r;
