@@ -55,7 +55,10 @@ def test_a_full_cache_pauses_the_vm_until_there_is_room(isr_env: IsrEnv, tmp_pat
                                 f"the pause{a.logs()}", interval=0.5)
             vulpes = status["vulpes"]
             assert vulpes["cache"]["evictions"] > 0 and vulpes["cache"]["room"] < 8 * 128 << 10
-            assert vulpes["cache"]["own_pinned_bytes"] > free_at_start + 8 * MIB, (vulpes["cache"], free_at_start)
+            # More went in than the free space: clean objects made room. How much more depends on what else the
+            # guest wrote meanwhile (its RAM's dirty chunks take room too): 8 MiB more in most runs, 4.7 MiB in one
+            # CI run on 2026-11-26.
+            assert vulpes["cache"]["own_pinned_bytes"] > free_at_start + 2 * MIB, (vulpes["cache"], free_at_start)
             message = status["paused"]["message"]
             assert re.search(rf"{parcel.name} is paused: the chunk cache .* is full \(.* free on its file system; "
                              rf"[0-9.]+ MiB of {parcel.name} not yet uploaded\): free space under .*, or `isr sync "
