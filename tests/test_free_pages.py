@@ -1,12 +1,15 @@
 """Holes in the images: fallocate(PUNCH_HOLE) on vulpes's files drops whole chunks unread, and a resumed guest's
 free pages, reported through virtio-balloon, become such holes in the memory image (issue 15).
 
-The first test punches through real FUSE mounts (both the main one and the memory mount); the second runs
-the test guest under isr, frees memory in it and follows the memory image's records as QEMU punches them,
-then resumes the checked-in parcel elsewhere and checks the guest's memory is intact.
+The first test punches through real FUSE mounts (both the main one and the memory mount); the second shows
+that the pages the kernel writes back before each hole (every dirty page from the hole to the end of the
+file) do not fetch their chunks; the third runs the test guest under isr, frees memory in it and follows the
+memory image's records as QEMU punches them, then resumes the checked-in parcel elsewhere and checks the
+guest's memory is intact.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import random
@@ -25,6 +28,7 @@ from tests.vulpes_fixtures import isr_server, vulpes_binary  # noqa: F401  (pyte
 pytestmark = pytest.mark.timeout(300)
 
 MIB = 1 << 20
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
 def punch(path: Path, offset: int, length: int) -> None:
@@ -83,6 +87,114 @@ def test_punched_chunks_read_zeros_unfetched_and_lose_their_records(vulpes_binar
         assert read_all(v.path("disk")) == disk_model
         assert read_all(v.path("memory")) == memory_model
         assert v.status()["fetch"]["fetches"] == 0
+
+
+def punch_fd(fd: int, offset: int, length: int) -> None:
+    """fallocate(PUNCH_HOLE) on an open file, as QEMU does it (fallocate(1) would also close the file, and a
+    close flushes it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if libc.fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, offset, length) != 0:
+        raise OSError(ctypes.get_errno(), "fallocate")
+
+
+def test_whole_pages_written_to_absent_chunks_fetch_nothing_until_read_or_flushed(
+        vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
+    """Whole pages written to memory chunks that are not at this site (the writeback before a hole) fetch
+    nothing; reading them back fetches nothing; the first read of another page of such a chunk fetches it
+    and sees both; a hole over one makes it zeros unfetched; a write of part of a page fetches its chunk as
+    before; fsync fetches the others and makes every byte durable."""
+    rng = random.Random(211)
+    memory = rng.randbytes(4 * MIB)                                    # 32 chunks, no two alike
+    state = make_state(tmp_path / "state", bytes(CHUNK_SIZE), 4 * MIB, memory=memory)
+    state.publish(isr_server.store)
+    cache, ram = tmp_path / "cache", tmp_path / "mnt-ram"
+    ram.mkdir()
+    model = bytearray(memory)
+    page = 4096
+
+    def fetched(*chunks: int) -> list[bool]:
+        return [chunk_path(cache, state.tag_of("memory", chunk)).exists() for chunk in chunks]
+
+    def read(fd: int, at: int, length: int) -> bytes:
+        """Through the memory mount (QEMU's file, no readahead) from vulpes, not from the page cache.  Reads
+        of one page each in chunks far apart: vulpes fetches the next chunks after a read that follows the one
+        before (two in one chunk)."""
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return os.pread(fd, length, at)
+
+    with Vulpes(vulpes_binary, tmp_path / "mnt", state, cache, server=isr_server.url,
+                token_file=isr_server.token_file, ca=isr_server.ca, extra=[f"--memory-mount={ram}"]) as v:
+        fd = os.open(ram / "memory", os.O_RDWR)
+        try:
+            writes = {(2, 3): 1, (10, 0): 1, (22, 31): 1, (27, 7): 3}  # (chunk, first page in it): pages
+            for (chunk, first), pages in writes.items():
+                at = chunk * CHUNK_SIZE + first * page
+                data = rng.randbytes(pages * page)
+                assert os.pwrite(fd, data, at) == len(data)
+                model[at:at + len(data)] = data
+            status = v.status()
+            assert status["fetch"]["fetches"] == 0
+            assert status["images"]["memory"]["partial_chunks"] == 4
+            assert status["flush"]["partial_chunks"] == 4
+            for (chunk, first), pages in writes.items():
+                at = chunk * CHUNK_SIZE + first * page
+                assert read(fd, at, pages * page) == model[at:at + pages * page]
+            assert v.status()["fetch"]["fetches"] == 0
+            # Another page of chunk 2: its object is fetched, and the chunk holds both.
+            assert read(fd, 2 * CHUNK_SIZE, page) == model[2 * CHUNK_SIZE:2 * CHUNK_SIZE + page]
+            assert fetched(2, 10, 22, 27) == [True, False, False, False]
+            at = 2 * CHUNK_SIZE + 3 * page
+            assert read(fd, at, page) == model[at:at + page]
+            # A hole over chunk 10 (partial) and chunk 11 (not here): zeros, nothing fetched.
+            punch_fd(fd, 10 * CHUNK_SIZE, 2 * CHUNK_SIZE)
+            model[10 * CHUNK_SIZE:12 * CHUNK_SIZE] = bytes(2 * CHUNK_SIZE)
+            assert read(fd, 10 * CHUNK_SIZE, page) == bytes(page)
+            # Part of a page: its chunk (16) is fetched for the rest of that page, as before.
+            assert os.pwrite(fd, b"part of a page", 16 * CHUNK_SIZE + 100) == 14
+            model[16 * CHUNK_SIZE + 100:16 * CHUNK_SIZE + 114] = b"part of a page"
+            assert fetched(10, 11, 16, 22, 27) == [False, False, True, False, False]
+            assert v.status()["images"]["memory"]["partial_chunks"] == 2           # chunks 22 and 27
+            os.fsync(fd)
+            assert fetched(22, 27) == [True, True]
+        finally:
+            os.close(fd)
+        status = v.status()
+        assert status["images"]["memory"]["partial_chunks"] == 0
+        assert status["images"]["memory"]["dirty_chunks"] == 0
+        assert read_all(v.path("memory")) == model
+    # Durable: a vulpes without a server reads every byte from the cache.
+    with Vulpes(vulpes_binary, tmp_path / "mnt", state, cache) as v:
+        assert read_all(v.path("memory")) == model
+
+
+def test_the_flusher_fetches_partial_chunks_in_the_background_and_flushes_them(
+        vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
+    """Without an fsync, the background flusher asks for a partial chunk's object at idle priority, completes
+    the chunk once the object is here and flushes it."""
+    rng = random.Random(223)
+    memory = rng.randbytes(2 * MIB)
+    state = make_state(tmp_path / "state", bytes(CHUNK_SIZE), 2 * MIB, memory=memory)
+    state.publish(isr_server.store)
+    cache, ram = tmp_path / "cache", tmp_path / "mnt-ram"
+    ram.mkdir()
+    model = bytearray(memory)
+    with Vulpes(vulpes_binary, tmp_path / "mnt", state, cache, server=isr_server.url,
+                token_file=isr_server.token_file, ca=isr_server.ca,
+                extra=[f"--memory-mount={ram}", "--flush-interval=200"]) as v:
+        fd = os.open(ram / "memory", os.O_RDWR)
+        try:
+            data = rng.randbytes(4096)
+            assert os.pwrite(fd, data, 7 * CHUNK_SIZE + 4096) == 4096
+            model[7 * CHUNK_SIZE + 4096:7 * CHUNK_SIZE + 8192] = data
+            wait_until(lambda: v.status()["images"]["memory"]["dirty_chunks"] == 0, 30, "the partial chunk flushed")
+            status = v.status()
+            assert status["images"]["memory"]["partial_chunks"] == 0
+            assert status["flush"]["partial_chunks"] == 1
+            assert chunk_path(cache, state.tag_of("memory", 7)).exists()
+        finally:
+            os.close(fd)
+        assert read_all(v.path("memory")) == model
 
 
 def memory_records(site: Site, parcel: Parcel) -> int:

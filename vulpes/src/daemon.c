@@ -192,6 +192,9 @@ int daemon_new(const DaemonConfig *config, Daemon **ret) {
         /* The memory image's writes are the kernel's writeback of QEMU's mapping of it: refused, they would
          * be lost; without room they wait (the session pauses the VM).  The disk's fail with ENOSPC. */
         image_set_full_waits(d->images[DAEMON_IMAGE_MEMORY], true);
+        /* Its writes of pages whose chunk is not here (the writeback before each hole QEMU punches covers every
+         * dirty page after the hole) need not wait for that chunk: image.c, "partial chunks". */
+        image_set_partial_writes(d->images[DAEMON_IMAGE_MEMORY], true);
         r = cache_pins_restore(d, config->state_dir, !config->server_url);
         if (r < 0)
                 goto out_free;
@@ -233,7 +236,7 @@ Daemon *daemon_free(Daemon *d) {
         if (!d)
                 return NULL;
         for (int i = 0; i < _DAEMON_IMAGE_MAX; i++)
-                if (d->images[i] && image_flush(d->images[i]) < 0)
+                if (d->images[i] && image_flush_local(d->images[i]) < 0)
                         log_error("failed to flush the %s image at exit: writes since the last flush are lost",
                                   image_names[i]);
         daemon_halt(d);
@@ -358,11 +361,11 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
                         "%s\"%s\":{\"size\":%llu,\"chunk_size\":%u,\"chunks\":%llu,\"records\":%llu,\"ram_bytes\":%llu,"
                         "\"dirty_chunks\":%llu,\"changed_chunks\":%llu,\"pending_uploads\":%llu,\"flush_error\":%d,"
                         "\"pack_bytes\":%llu,\"pack_parts\":%llu,\"pack_waits\":%llu,\"pack_wait_ms\":%llu,\"dirty_bytes\":%llu,"
-                        "\"unreserved_chunks\":%llu}",
+                        "\"unreserved_chunks\":%llu,\"partial_chunks\":%llu}",
                         i ? "," : "", image_names[i], U(st.size), st.chunk_size, U(st.chunks), U(st.records),
                         U(st.ram_bytes), U(st.dirty_chunks), U(st.changed_chunks), U(st.pending_uploads),
                         st.flush_error, U(st.pack_bytes), U(st.pack_parts), U(st.pack_waits), U(st.pack_wait_ms),
-                        U(st.dirty_bytes), U(st.unreserved_chunks));
+                        U(st.dirty_bytes), U(st.unreserved_chunks), U(st.partial_chunks));
         }
         fprintf(f,
                 "},\"io\":{\"bytes_read\":%llu,\"bytes_written\":%llu,\"chunks_read\":%llu,\"chunks_written\":%llu},"
@@ -400,12 +403,12 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
                    "\"pinned\":%llu,\"pinned_bytes\":%llu,\"own_pinned_bytes\":%llu,\"reserved\":%llu,"
                    "\"fs_free\":%llu,\"fs_size\":%llu,\"room\":%llu,\"refused\":%llu,"
                    "\"quarantined\":%llu},\"lookaside_bad\":%llu,"
-                   "\"flush\":{\"flushes\":%llu,\"chunks\":%llu}",
+                   "\"flush\":{\"flushes\":%llu,\"chunks\":%llu,\"partial_chunks\":%llu}",
                 U(cs.objects), U(cs.bytes), U(cs.limit), U(cs.evictions), U(cs.evictions_total), U(cs.pinned),
                 U(cs.pinned_bytes), U(cs.own_pinned_bytes), U(cs.reserved), U(cs.fs_free), U(cs.fs_size),
                 U(cs.room), U(cs.refused),
                 U(stats_get(&s->quarantined)), U(stats_get(&s->lookaside_bad)),
-                U(stats_get(&s->flushes)), U(stats_get(&s->chunks_flushed)));
+                U(stats_get(&s->flushes)), U(stats_get(&s->chunks_flushed)), U(stats_get(&s->partial_chunks)));
         if (d->hoard) {
                 HoardProgress p;
 

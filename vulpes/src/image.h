@@ -48,6 +48,7 @@ typedef struct ImageStatus {
         uint64_t pack_wait_ms;
         uint64_t dirty_bytes;          /* plaintext of the dirty chunks */
         uint64_t unreserved_chunks;    /* dirty chunks without room reserved in the cache (see image_open()) */
+        uint64_t partial_chunks;       /* dirty chunks written before their object came (image_set_partial_writes) */
 } ImageStatus;
 
 typedef struct Image Image;
@@ -72,6 +73,15 @@ int image_open(const char *name, const char *keyring_path, const ImageSources *s
 Image *image_free(Image *img);
 
 void image_set_full_waits(Image *img, bool waits);
+
+/*
+ * Whether a write of whole pages to a chunk that is not at this site (neither in RAM nor in the cache, and no
+ * lookaside source) goes ahead without fetching the chunk: the chunk holds the pages written, and fetches
+ * the rest only when a read or a flush needs it (image.c, "partial chunks").  Meant for the memory image,
+ * whose writes are the kernel's writeback of QEMU's mapping of it: an explicit flush (image_flush()) then
+ * needs the server for such chunks, as their reads would.
+ */
+void image_set_partial_writes(Image *img, bool partial);
 
 const char *image_name(const Image *img);
 uint64_t image_size(const Image *img);
@@ -125,9 +135,14 @@ void image_preload_end(Image *img);
 /*
  * Makes every write acknowledged before the call durable: dirty chunks are re-encoded (new convergent
  * key and tag), written to the cache (temporary files, sync, rename, sync) and then recorded in the local
- * keyring in one transaction.  All-zero chunks lose their record instead.
+ * keyring in one transaction.  All-zero chunks lose their record instead.  Partial chunks
+ * (image_set_partial_writes()) are completed first, their objects fetched if they are not in the cache.
  */
 int image_flush(Image *img);
+
+/* image_flush() without fetching: partial chunks whose object is not in the cache stay dirty in RAM (with a
+ * warning).  At exit, which must not wait for a server. */
+int image_flush_local(Image *img);
 
 /* Hold off every flush of img (its flush lock), e.g. while the cache's pins are replaced. */
 void image_flush_hold(Image *img);

@@ -33,6 +33,7 @@ typedef struct Stats {
         atomic_uint_fast64_t quarantined;                        /* cache entries that failed verification */
         atomic_uint_fast64_t lookaside_bad;                      /* lookaside objects that failed verification */
         atomic_uint_fast64_t flushes, chunks_flushed;
+        atomic_uint_fast64_t partial_chunks;                     /* written without fetching their object first */
         atomic_uint_fast64_t uploads, upload_bytes;
         atomic_uint_fast64_t errors;                             /* definitive read failures returned as EIO */
 } Stats;
