@@ -54,13 +54,13 @@ enum {
 
 /*
  * Partial chunks (image_set_partial_writes(); the memory image).  A write of whole pages to a chunk that is
- * neither in RAM nor in the cache does not fetch the chunk: the pages go into a buffer of the chunk's size,
- * a bitmap records which, and the chunk is PARTIAL, and dirty.  Reads of written pages are served from it,
- * reads of the others from the resume pack where it has them; any other read, a write of part of a page, or
- * a flush fetches the chunk and merges its other pages in (completes it).  A punch or a write of the whole
- * chunk makes it whole without a fetch.  The background flusher completes only the partial chunks whose
- * object is in the cache and asks for the others at idle priority; an explicit flush (fsync, a suspend)
- * asks for all of them at once, at demand priority, and completes them.
+ * neither in RAM nor in the cache does not wait for the chunk: the pages go into a buffer of the chunk's size,
+ * a bitmap records which, the chunk is PARTIAL (and dirty), and its object is asked for at hoard priority.
+ * Reads of written pages are served from it, reads of the others from the resume pack where it has them;
+ * any other read, a write of part of a page, or a flush completes it: the object (from the cache, or
+ * fetched) fills the pages not written.  A punch, or writes of every page, make it whole without the
+ * object.  The background flusher completes only the partial chunks whose object is in the cache; an
+ * explicit flush (fsync, a suspend) asks for all the others at once, at demand priority, and completes them.
  *
  * Why: QEMU punches the pages a guest reports free (virtio-balloon's free page reporting) out of the memory
  * image, and before each hole the kernel writes back every dirty page of the file from the hole's start to
@@ -458,7 +458,11 @@ static bool partial_write_wanted_locked(Image *img, uint64_t idx, size_t in_chun
                !img->src.lookaside && !cache_has(img->src.cache, img->records[idx].tag);
 }
 
-/* With the lock held: chunk idx (ABSENT) becomes PARTIAL, no page written yet. */
+static void prefetch(Image *img, const KeyringRecord *rec, FetchPriority priority);
+
+/* With the lock held: chunk idx (ABSENT) becomes PARTIAL, no page written yet, and its object is asked for at
+ * hoard priority: behind every guest read, and paced (on a slow link not at all while the guest misses), but
+ * soon, so that the guest's next read of another page of the chunk finds it here. */
 static int partial_start_locked(Image *img, uint64_t idx) {
         Chunk *c = &img->chunks[idx];
         uint64_t *written = calloc((pages_of(img, idx) + 63) / 64, sizeof(*written));
@@ -472,11 +476,12 @@ static int partial_start_locked(Image *img, uint64_t idx) {
         memset(data, 0, length_of(img, idx));
         c->data = data;
         c->written = written;
-        c->base_asked = false;
+        c->base_asked = true;
         c->state = CHUNK_PARTIAL;
         img->ram_bytes += length_of(img, idx);
         img->partial_chunks++;
         stats_add(&img->src.stats->partial_chunks, 1);
+        prefetch(img, &img->records[idx], FETCH_HOARD);
         return 0;
 }
 
