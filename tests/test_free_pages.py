@@ -1,9 +1,9 @@
 """Holes in the images: fallocate(PUNCH_HOLE) on vulpes's files drops whole chunks unread, and a resumed guest's
 free pages, reported through virtio-balloon, become such holes in the memory image (issue 15).
 
-The first test punches through real FUSE mounts (both the main one and the memory mount); the second shows
-that the pages the kernel writes back before each hole (every dirty page from the hole to the end of the
-file) do not fetch their chunks; the third runs the test guest under isr, frees memory in it and follows the
+The first test punches through real FUSE mounts (both the main one and the memory mount); the second and
+third show that the pages the kernel writes back before each hole (every dirty page from the hole to the end
+of the file) do not wait for their chunks, which the flusher then fetches and flushes; the fourth runs the test guest under isr, frees memory in it and follows the
 memory image's records as QEMU punches them, then resumes the checked-in parcel elsewhere and checks the
 guest's memory is intact.
 """

@@ -66,7 +66,7 @@ enum {
  * image, and before each hole the kernel writes back every dirty page of the file from the hole's start to
  * its end (fuse_writeback_range()), while QEMU waits in fallocate().  Each such page whose chunk was not here
  * cost a demand fetch of that chunk: at 10 Mbit/s +20 ms about 50 of them, one after another, before a
- * resumed guest answered (BENCHMARKS.md, "writes that fetch nothing").
+ * resumed guest answered (BENCHMARKS.md, "writes that do not wait for their chunk").
  */
 #define PAGE_BYTES 4096u
 
@@ -118,7 +118,6 @@ typedef struct Chunk {
         bool ahead;                        /* loaded by readahead, not read yet: its first read reports ahead_tier */
         bool pack_stale;                   /* written since the resume pack was taken: the pack is not its content */
         bool reserved;                     /* holds room in the cache for its object (dirty chunks only) */
-        bool base_asked;                   /* PARTIAL: its object was asked for in the background */
         uint64_t *written;                 /* PARTIAL (and while completing): a bit per page written */
         uint8_t ahead_tier;
         int64_t lru_prev, lru_next;        /* clean READY chunks only; head is the least recently used */
@@ -476,7 +475,6 @@ static int partial_start_locked(Image *img, uint64_t idx) {
         memset(data, 0, length_of(img, idx));
         c->data = data;
         c->written = written;
-        c->base_asked = true;
         c->state = CHUNK_PARTIAL;
         img->ram_bytes += length_of(img, idx);
         img->partial_chunks++;
@@ -491,7 +489,6 @@ static void partial_end_locked(Image *img, uint64_t idx) {
 
         free(c->written);
         c->written = NULL;
-        c->base_asked = false;
         c->state = CHUNK_READY;
         img->partial_chunks--;
         if (!c->dirty)                     /* a write that started it failed: clean, so it may be evicted */
@@ -1276,23 +1273,17 @@ typedef enum FlushMode {
 } FlushMode;
 
 /*
- * With the lock held, before a flush: asks for the objects of the partial chunks that are not in the cache, in
- * the background (prefetch(); the completions that need them join these transfers).  An explicit flush asks
- * for all of them at once at demand priority, so that their round trips overlap; the flusher asks once for
- * each at idle priority (hoard priority when dirty chunks press on RAM), so that they come while the guest
- * does not wait, if the session has not fetched them by then.
+ * With the lock held, before a flush that completes partial chunks: asks again, at `priority`, for the objects
+ * of those not in the cache (each was asked for at hoard priority when it started), all at once so that their
+ * round trips overlap; the completions join these transfers.
  */
-static void partials_ask_locked(Image *img, FetchPriority priority, bool again) {
+static void partials_ask_locked(Image *img, FetchPriority priority) {
         for (uint64_t idx = 0, seen = 0; idx < img->n_chunks && seen < img->partial_chunks; idx++) {
-                Chunk *c = &img->chunks[idx];
                 KeyringRecord rec;
 
-                if (c->state != CHUNK_PARTIAL)
+                if (img->chunks[idx].state != CHUNK_PARTIAL)
                         continue;
                 seen++;
-                if (c->base_asked && !again)
-                        continue;
-                c->base_asked = true;
                 rec = img->records[idx];
                 if (!cache_has(img->src.cache, rec.tag))
                         prefetch(img, &rec, priority);
@@ -1315,8 +1306,8 @@ static int flush_dirty(Image *img, FlushMode mode) {
                 priority = FETCH_HOARD;
                 complete = img->partial_chunks * img->chunk_size > img->ram_limit / 4;
         }
-        if (img->partial_chunks > 0 && mode != FLUSH_LOCAL)
-                partials_ask_locked(img, priority, priority != FETCH_IDLE);
+        if (img->partial_chunks > 0 && priority != FETCH_IDLE)
+                partials_ask_locked(img, priority);
         if (img->dirty_chunks > 0) {
                 dirty = malloc(img->dirty_chunks * sizeof(*dirty));
                 if (!dirty) {
