@@ -28,11 +28,13 @@ from isrprogress import NullReporter, Reporter
 from parcels import crypto, firmware, resumepack, seal
 from parcels.errors import ParcelError
 from parcels.keyring import HEADER_SIZE, RECORD_SIZE, decode_stream
-from parcels.manifest import IMAGES, BlobInfo, ImageInfo, Manifest, Timestamps, open_manifest, seal_manifest, utc_now
+from parcels.manifest import (
+    DEVSTATE, DEVSTATE_FILES, IMAGES, BlobInfo, ImageInfo, Manifest, Timestamps, open_manifest, seal_manifest, utc_now,
+)
 from parcels.parcel import ParcelKeys
 from parcels.store import KEYRING_FILES, MANIFEST
 
-from . import background, paths, workingset
+from . import background, paths, stateroms, workingset
 from .checkout import Client, lock_broken_message
 from .errors import CheckinError, LockBroken, LockNotReleased, StateError, VulpesFailure
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, Checkout, LocalChange, ParcelState
@@ -182,12 +184,13 @@ def commit(remote: Remote, parcel: str, parcel_key: bytes, manifest: Manifest,
 
 def per_suspend(name: str) -> bool:
     """Whether a blob belongs to one suspend (the device state, the resume pack): never inherited."""
-    return name == "devstate" or resumepack.is_part(name)
+    return name in (DEVSTATE, DEVSTATE_FILES) or resumepack.is_part(name)
 
 
-def new_manifest(base: Manifest, change: LocalChange, streams: dict[str, bytes], qemu_version: str | None) \
-        -> Manifest:
-    """The manifest of version base + 1 describing the local state."""
+def new_manifest(base: Manifest, change: LocalChange, streams: dict[str, bytes], qemu_version: str | None,
+                 *, devstate_files: bool = False) -> Manifest:
+    """The manifest of version base + 1 describing the local state (``devstate_files``: with the device state
+    sealed against the firmware it carries too, `stateroms.seal_without_firmware`)."""
     images = {}
     for image in IMAGES:
         stream = streams[image]
@@ -199,8 +202,10 @@ def new_manifest(base: Manifest, change: LocalChange, streams: dict[str, bytes],
     vm = base.vm
     if suspended:
         assert change.devstate is not None
-        blobs["devstate"] = BlobInfo(kind=seal.KIND_DEVSTATE, sha256=bytes.fromhex(change.devstate["sha256"]),
-                                     size=int(change.devstate["size"]))
+        blobs[DEVSTATE] = BlobInfo(kind=seal.KIND_DEVSTATE, sha256=bytes.fromhex(change.devstate["sha256"]),
+                                   size=int(change.devstate["size"]))
+        if devstate_files:
+            blobs[DEVSTATE_FILES] = blobs[DEVSTATE]
         for index, part in enumerate(change.resume_pack):
             blobs[resumepack.part_name(index)] = BlobInfo(kind=seal.KIND_DEVSTATE, sha256=bytes.fromhex(part["sha256"]),
                                                           size=int(part["size"]))
@@ -251,9 +256,13 @@ def stage(client: Client, state: ParcelState, parcel_keys: ParcelKeys) -> Staged
     devstate_sealed = None
     if change.state == SUSPENDED:
         devstate_sealed = state.local_devstate_path().read_bytes()
-        seal.open_sealed(parcel_keys.parcel_key, devstate_sealed, seal.KIND_DEVSTATE,
-                         int(change.devstate["size"]) if change.devstate else 0)
-        sealed["devstate"] = devstate_sealed
+        payload = seal.open_sealed(parcel_keys.parcel_key, devstate_sealed, seal.KIND_DEVSTATE,
+                                   int(change.devstate["size"]) if change.devstate else 0)
+        sealed[DEVSTATE] = devstate_sealed
+        without_firmware = stateroms.seal_without_firmware(parcel_keys.parcel_key, payload)
+        del payload
+        if without_firmware is not None:
+            sealed[DEVSTATE_FILES] = without_firmware
         for index, part in enumerate(change.resume_pack):
             pack_sealed = state.local_pack_path(index).read_bytes()
             seal.open_sealed(parcel_keys.parcel_key, pack_sealed, seal.KIND_DEVSTATE, int(part["size"]))
@@ -261,7 +270,8 @@ def stage(client: Client, state: ParcelState, parcel_keys: ParcelKeys) -> Staged
     if change.nvram:
         sealed[firmware.NVRAM_BLOB] = state.local_nvram_path().read_bytes()
         seal.open_sealed(parcel_keys.parcel_key, sealed[firmware.NVRAM_BLOB], seal.KIND_BOOT, int(change.nvram["size"]))
-    manifest = new_manifest(base, change, changes.streams, change.qemu_version)
+    manifest = new_manifest(base, change, changes.streams, change.qemu_version,
+                            devstate_files=DEVSTATE_FILES in sealed)
     sealed[MANIFEST] = seal_manifest(parcel_keys.parcel_key, manifest)
     # In parallel: a resume pack has up to 256 parts, one request each.
     nonce = checkout.lock.nonce

@@ -21,15 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from isrprogress import NullReporter, Reporter, human_bytes
-from parcels import crypto
-from parcels.errors import ParcelError
+from parcels import crypto, seal
+from parcels.errors import MissingFilesError, ParcelError
 from parcels.keyring import encode_stream
-from parcels.manifest import IMAGES, Manifest, open_blob, open_keyring, open_manifest
+from parcels.manifest import DEVSTATE, DEVSTATE_FILES, IMAGES, Manifest, open_blob, open_keyring, open_manifest
 from parcels.parcel import ParcelKeys
 from parcels.store import KEYRING_FILES, MANIFEST
 
 from . import config as configmod
 from . import keys as keymod
+from . import stateroms
 from .errors import CheckinError, IsrError, LockBroken, LockRefused, StateError
 from .localstate import Checkout, LockInfo, ParcelState, write_file
 from .remote import LockHeld, LockLost, Remote, RemoteError
@@ -177,12 +178,29 @@ class Client:
         keyrings = {KEYRING_FILES[image]: image for image in IMAGES}
         streams = {}
         devstate = None
-        wanted = [*keyrings, *(["devstate"] if manifest.suspended else [])]
+        # The device state without the firmware it carries, if this site's QEMU has those files (a few KB
+        # instead of a few hundred); kept here sealed whole, as the server has it.
+        devstate_name = DEVSTATE_FILES if manifest.blobs.get(DEVSTATE_FILES, False) == manifest.blobs.get(DEVSTATE) \
+            else DEVSTATE
+        wanted = [*keyrings, *([devstate_name] if manifest.suspended else [])]
         with contextlib.closing(self.remote.get_blobs(parcel, version, wanted)) as arriving:
             for name, sealed in arriving:
-                if name == "devstate":
-                    open_blob(parcel_keys.parcel_key, sealed, manifest, "devstate")
+                if name == DEVSTATE:
+                    open_blob(parcel_keys.parcel_key, sealed, manifest, DEVSTATE)
                     devstate = sealed
+                    continue
+                if name == DEVSTATE_FILES:
+                    try:
+                        payload = open_blob(parcel_keys.parcel_key, sealed, manifest, DEVSTATE_FILES,
+                                            files=stateroms.lookup)
+                    except MissingFilesError as exc:
+                        log.info("%s: fetching the whole device state", exc)
+                        continue
+                    devstate = seal.seal(parcel_keys.parcel_key, seal.KIND_DEVSTATE, payload)
+                    del payload
+                    log.info("device state: %d bytes fetched, its firmware (%s) taken from this PC's QEMU",
+                             len(sealed), ", ".join(name for name, _, _ in seal.files_named(
+                                 parcel_keys.parcel_key, sealed, seal.KIND_DEVSTATE)))
                     continue
                 image = keyrings[name]
                 records = open_keyring(parcel_keys.parcel_key, sealed, manifest, image)
@@ -190,6 +208,9 @@ class Client:
                                                records)
                 if crypto.sha256(streams[image]) != manifest.images[image].keyring_sha256:
                     raise IsrError(f"the {image} keyring of version {version} does not re-encode to its digest")
+        if manifest.suspended and devstate is None:
+            devstate = self.remote.get_blob(parcel, version, DEVSTATE)
+            open_blob(parcel_keys.parcel_key, devstate, manifest, DEVSTATE)
         state.install_version(manifest_sealed=sealed_manifest, streams=streams, devstate_sealed=devstate)
         reporter.say(f"  version {version}: manifest, keyrings"
                      f"{' and device state' if devstate else ''} verified "

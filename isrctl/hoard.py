@@ -31,6 +31,7 @@ from typing import Any
 
 from isrprogress import NullReporter, Reporter, human_bytes
 from parcels import resumepack
+from parcels.manifest import DEVSTATE, DEVSTATE_FILES
 from parcels.store import KEYRING_FILES, MANIFEST
 
 from . import background, paths, room
@@ -43,7 +44,7 @@ from .vulpes import ChunkFetch, cache_object_path, cache_usage
 log = logging.getLogger(__name__)
 
 #: Blobs every version has of its own and every resume fetches: not worth keeping ahead of time.
-PER_VERSION_BLOBS = frozenset({MANIFEST, *KEYRING_FILES.values(), "devstate",
+PER_VERSION_BLOBS = frozenset({MANIFEST, *KEYRING_FILES.values(), DEVSTATE, DEVSTATE_FILES,
                                *(resumepack.part_name(i) for i in range(resumepack.PARTS_MAX))})
 _VERSION_BLOB = re.compile(r"v([0-9]+)\.(.+)")
 

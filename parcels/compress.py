@@ -1,5 +1,8 @@
 """zstd compression for chunk objects and sealed blobs, and the only module that imports `zstandard`.
 
+A sealed blob may be compressed against a dictionary (its reader must have the same bytes): raw content, as
+zstd's "raw content dictionaries" take any bytes and let the frame copy from them as from earlier input.
+
 Decompression is where untrusted lengths meet memory, so `decompress` is told the exact output length
 and never produces more: a frame that would expand past it, stop short of it, or carry bytes after its
 end is refused before any output is returned.
@@ -19,8 +22,15 @@ _FEED_SIZE = 64
 Bytes = bytes | bytearray | memoryview
 
 
-def compress(data: Bytes, level: int = DEFAULT_LEVEL, *, content_size: bool = True, checksum: bool = False) -> bytes:
-    """Compress `data` into one zstd frame, with no dictionary.
+def _dictionary(dictionary: Bytes | None) -> zstandard.ZstdCompressionDict | None:
+    if not dictionary:
+        return None
+    return zstandard.ZstdCompressionDict(bytes(dictionary), dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+
+
+def compress(data: Bytes, level: int = DEFAULT_LEVEL, *, content_size: bool = True, checksum: bool = False,
+             dictionary: Bytes | None = None) -> bytes:
+    """Compress `data` into one zstd frame, with no dictionary or with ``dictionary``'s raw content.
 
     Writers use the defaults: the content size in the frame header and no checksum (the format
     authenticates every byte with AES-GCM already). The test-vector generator turns them off and on to
@@ -28,14 +38,16 @@ def compress(data: Bytes, level: int = DEFAULT_LEVEL, *, content_size: bool = Tr
     """
     try:
         compressor = zstandard.ZstdCompressor(level=level, write_content_size=content_size,
-                                              write_checksum=checksum)
+                                              write_checksum=checksum, dict_data=_dictionary(dictionary))
         return compressor.compress(data)
     except zstandard.ZstdError as exc:
         raise FormatError(f"zstd refused to compress: {exc}") from None
 
 
-def decompress(frame: Bytes, length: int) -> bytes:
-    """Decompress exactly one zstd frame that must produce exactly `length` bytes.
+def decompress(frame: Bytes, length: int, *, dictionary: Bytes | None = None) -> bytes:
+    """Decompress exactly one zstd frame that must produce exactly `length` bytes (compressed against
+    ``dictionary``'s raw content, if given: with other bytes there the result is wrong, which the caller's
+    digest must catch).
 
     Guarantees: the result is `length` bytes long; at most about `length` + 2 MiB is ever held in memory;
     a skippable frame, a second frame, trailing bytes, a truncated frame or a header content size other
@@ -57,9 +69,10 @@ def decompress(frame: Bytes, length: int) -> bytes:
             # The one-shot call decodes into a buffer of exactly `length` bytes and refuses trailing
             # input when the header states the size (it does not when the size is unknown, hence the
             # streaming path below).
-            out = zstandard.ZstdDecompressor().decompress(frame, allow_extra_data=False)
+            out = zstandard.ZstdDecompressor(dict_data=_dictionary(dictionary)).decompress(
+                frame, allow_extra_data=False)
         else:
-            out = _decompress_streaming(frame, length)
+            out = _decompress_streaming(frame, length, dictionary)
     except zstandard.ZstdError as exc:
         raise FormatError(f"bad zstd frame: {exc}") from None
     if len(out) != length:
@@ -67,9 +80,9 @@ def decompress(frame: Bytes, length: int) -> bytes:
     return out
 
 
-def _decompress_streaming(frame: bytes, length: int) -> bytes:
+def _decompress_streaming(frame: bytes, length: int, dictionary: Bytes | None) -> bytes:
     """Feed the frame a few bytes at a time so a small frame cannot expand into a huge allocation."""
-    decoder = zstandard.ZstdDecompressor().decompressobj()
+    decoder = zstandard.ZstdDecompressor(dict_data=_dictionary(dictionary)).decompressobj()
     out = bytearray()
     for pos in range(0, len(frame), _FEED_SIZE):
         out += decoder.decompress(frame[pos:pos + _FEED_SIZE])

@@ -37,3 +37,12 @@ class NotFoundError(StoreError):
 
 class ImageError(ParcelError):
     """An input or output image file cannot be read, written or converted."""
+
+
+class MissingFilesError(ParcelError):
+    """A blob is compressed against files (doc/parcel-format.md, "Sealed blobs": compression 2) this reader
+    does not have, or has other versions of: read the blob it stands in for instead. ``missing``: their names."""
+
+    def __init__(self, message: str, missing: list[str]) -> None:
+        super().__init__(message)
+        self.missing = missing

@@ -18,14 +18,14 @@ from parcels import crypto, envelope, seal
 from parcels import firmware as firmware_files
 from parcels import devices as devices_mod
 from parcels.chunk import DEFAULT_CHUNK_SIZE, chunk_length, decode_chunk, encode_chunk, is_zero, valid_chunk_size
-from parcels.errors import FormatError, ImageError, NotFoundError, ParcelError
+from parcels.errors import FormatError, ImageError, MissingFilesError, NotFoundError, ParcelError
 from parcels.image import SparseImageWriter, check_disk, image_size, raw_image, read_chunks
 from parcels.keyring import HEADER_SIZE as KEYRING_HEADER_SIZE
 from parcels.keyring import RECORD_SIZE as KEYRING_RECORD_SIZE
 from parcels.keyring import KeyringRecord, encode_stream, unwrap_chunk_key, wrap_chunk_key
 from parcels.manifest import (
-    FIRMWARES, IMAGES, MAX_NAME, BlobInfo, BootConfig, ImageInfo, Manifest, Timestamps, VMConfig, open_blob,
-    open_keyring, open_manifest, seal_manifest, utc_now,
+    DEVSTATE, DEVSTATE_FILES, FIRMWARES, IMAGES, MAX_NAME, BlobInfo, BootConfig, ImageInfo, Manifest, Timestamps,
+    VMConfig, open_blob, open_keyring, open_manifest, seal_manifest, utc_now,
 )
 from parcels.store import KEYRING_FILES, MANIFEST, DirStore
 
@@ -314,7 +314,10 @@ def verify_version(store: DirStore, parcel: uuid.UUID, version: int, keys: Parce
 
     Returns a list of problems, one line each (empty: the version is intact). Problems with single
     chunks or blobs are collected; if the manifest or a keyring cannot be opened, that error is raised
-    (NotFoundError, IntegrityError or FormatError), since nothing else can be checked without it.
+    (NotFoundError, IntegrityError or FormatError), since nothing else can be checked without it. A blob
+    compressed against files (`DEVSTATE_FILES`, against QEMU's firmware) is decoded only where those files
+    are; elsewhere its tag and file list are checked, and that its manifest entry is the one of the blob it
+    stands in for.
     """
     contents = open_version(store, parcel, version, keys)
     manifest = contents.manifest
@@ -322,6 +325,10 @@ def verify_version(store: DirStore, parcel: uuid.UUID, version: int, keys: Parce
     for name in manifest.blobs:
         try:
             read_blob(store, parcel, manifest, name, keys)
+        except MissingFilesError:
+            if name != DEVSTATE_FILES or manifest.blobs[name] != manifest.blobs.get(DEVSTATE):
+                problems.append(f"blob {name}: compressed against files, but it does not stand in for "
+                                f"{DEVSTATE} (the manifest gives them other digests or sizes)")
         except ParcelError as exc:
             problems.append(f"blob {name}: {exc}")
     total = sum(len(contents.records(name)) for name in IMAGES)

@@ -206,6 +206,8 @@ class Site:
     runtime: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="isr-rt-")))
     #: "host:port" this site's isr talks to instead of the server itself (a proxy that adds round-trip time)
     server: str | None = None
+    #: variables this site's `isr` runs with beyond the test's own
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -221,6 +223,7 @@ class Site:
         env.update(XDG_CONFIG_HOME=str(self.root / "config"), XDG_DATA_HOME=str(self.root / "data"),
                    XDG_CACHE_HOME=str(self.root / "cache"), XDG_RUNTIME_DIR=str(self.runtime),
                    ISR_TEST_PASSWORD=PASSWORDS["alice"])
+        env.update(self.extra_env)
         return env
 
     def command(self, *args: str) -> list[str]:

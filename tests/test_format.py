@@ -22,7 +22,7 @@ import pytest
 
 from parcels import chunk, compress, crypto, envelope, keyring, manifest, parcel, resumepack, seal
 from parcels.errors import (
-    FormatError, ImageError, IntegrityError, NotFoundError, ParcelError, StoreError, WrongKeyError,
+    FormatError, ImageError, IntegrityError, MissingFilesError, NotFoundError, ParcelError, StoreError, WrongKeyError,
 )
 from parcels.image import read_chunks
 from parcels.keyring import Keyring, KeyringRecord
@@ -205,6 +205,58 @@ def test_seal_uses_a_fresh_salt_and_checks_kind_and_key() -> None:
         seal.open_sealed(bytes(32), a, seal.KIND_DEVSTATE, 100)
     with pytest.raises(FormatError):
         seal.seal(PK, 5, b"x")
+
+
+FIRMWARE = [("bios-256k.bin", os.urandom(70000)), ("efi-virtio.rom", os.urandom(30000))]
+
+
+def _files(table: list[tuple[str, bytes]]) -> seal.FileLookup:
+    return lambda name, size, digest: next((data for n, data in table if n == name and len(data) == size), None)
+
+
+def test_device_state_sealed_against_files_needs_only_what_is_not_in_them() -> None:
+    """Compression 2: the payload's bytes that are in the named files do not cross; a reader with the same
+    files gets the payload back, one without them (or with other contents) is told which it lacks."""
+    payload = FIRMWARE[1][1][5000:29000] + b"cpu state" * 100 + FIRMWARE[0][1][:65536]
+    blob = seal.seal(PK, seal.KIND_DEVSTATE, payload, files=FIRMWARE)
+    assert blob[6] == seal.COMPRESSION_ZSTD_FILES
+    assert len(blob) < 2000 < len(seal.seal(PK, seal.KIND_DEVSTATE, payload)) - 80000
+    assert seal.open_sealed(PK, blob, seal.KIND_DEVSTATE, len(payload), files=_files(FIRMWARE)) == payload
+    assert seal.files_named(PK, blob, seal.KIND_DEVSTATE) == [
+        (name, len(data), hashlib.sha256(data).digest()) for name, data in FIRMWARE]
+    other = [FIRMWARE[0], ("efi-virtio.rom", os.urandom(30000))]
+    for lookup, missing in ((None, ["bios-256k.bin", "efi-virtio.rom"]), (_files(other), ["efi-virtio.rom"]),
+                            (_files(FIRMWARE[:1]), ["efi-virtio.rom"])):
+        with pytest.raises(MissingFilesError, match="efi-virtio.rom") as caught:
+            seal.open_sealed(PK, blob, seal.KIND_DEVSTATE, len(payload), files=lookup)
+        assert caught.value.missing == missing
+    with pytest.raises(FormatError):
+        seal.open_sealed(PK, blob, seal.KIND_DEVSTATE, len(payload) - 1, files=_files(FIRMWARE))
+
+
+@pytest.mark.parametrize("files, why", [
+    ([], "1 to 8"), ([(f"f{i}", b"x") for i in range(9)], "1 to 8"), ([("../etc/passwd", b"x")], "file name"),
+    ([("", b"x")], "file name")])
+def test_files_a_sealed_blob_may_not_name(files: list[tuple[str, bytes]], why: str) -> None:
+    with pytest.raises(FormatError, match=why):
+        seal.seal(PK, seal.KIND_DEVSTATE, b"state", files=files)
+    with pytest.raises(FormatError, match="only device state"):
+        seal.seal(PK, seal.KIND_BOOT, b"kernel", files=FIRMWARE)
+
+
+@pytest.mark.parametrize("body, why", [
+    (b"", "1 to 8"), (b"\x00", "1 to 8"), (b"\x09", "1 to 8"), (b"\x01\x05bios", "truncated"),
+    (b"\x01\x00" + bytes(40), "truncated"), (b"\x01\x03a/b" + bytes(40), "file name"),
+    (b"\x01\x01a" + (1 << 40).to_bytes(8, "big") + bytes(32), "exceed")])
+def test_a_malformed_file_list_is_refused(body: bytes, why: str) -> None:
+    from parcels.testvectors.generate import PK_BLOB, blob_raw
+    blob = blob_raw(body + compress.compress(b"state"), kind=seal.KIND_DEVSTATE, length=5,
+                    compression=seal.COMPRESSION_ZSTD_FILES)
+    with pytest.raises(FormatError, match=why):
+        seal.open_sealed(PK_BLOB, blob, seal.KIND_DEVSTATE, 100, files=_files(FIRMWARE))
+    boot = blob_raw(body, kind=seal.KIND_BOOT, length=5, compression=seal.COMPRESSION_ZSTD_FILES)
+    with pytest.raises(FormatError, match="unknown compression 2"):
+        seal.open_sealed(PK_BLOB, boot, seal.KIND_BOOT, 100)
 
 
 def sample_manifest(version: int = 1, **changes: Any) -> Manifest:

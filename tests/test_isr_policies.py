@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from isrctl import pack
+from isrctl import pack, stateroms
 from parcels import parcel as parcel_ops
-from parcels import resumepack
-from parcels.manifest import Manifest
+from parcels import resumepack, seal
+from parcels.manifest import DEVSTATE, DEVSTATE_FILES, Manifest
 from parcels.store import DirStore
 from tests.conftest import wait_until
 from tests.guest_fixtures import guest_artifacts  # noqa: F401  (pytest fixture)
@@ -123,10 +123,18 @@ def committed_manifest(env: IsrEnv, parcel: Parcel, version: int) -> Manifest:
     return parcel_ops.open_version(store, uuid.UUID(parcel.id), version, keys).manifest
 
 
+def stored_blob(env: IsrEnv, parcel: Parcel, version: int, name: str) -> bytes:
+    return DirStore(env.store).get_blob(uuid.UUID(parcel.id), version, name)
+
+
 def test_resume_pack_serves_the_next_fresh_site(isr_env: IsrEnv, nets: list[NetSite], tmp_path: Path) -> None:
     """A session that resumed makes a resume pack at suspend (REAP's record of what the guest touched first);
     the next resume at a fresh site loads it into vulpes, which serves those bytes before their chunks. A
-    session that booted cold makes none."""
+    session that booted cold makes none.
+
+    Every suspended version also has its device state without the firmware it carries (``devstate.fw``): a
+    fresh site whose QEMU has the same firmware (B) fetches that; one with other firmware (C, whose QEMU
+    firmware directories hold an altered option ROM) fetches the whole state, and both guests carry on."""
     parcel = isr_env.make_parcel("p-pack")
     with sites(isr_env, tmp_path, ["A", "B", "C"], [nets[0], nets[1], nets[0]]) as (a, b, c):
         a.resume(parcel, "--policy", "demand")
@@ -136,9 +144,20 @@ def test_resume_pack_serves_the_next_fresh_site(isr_env: IsrEnv, nets: list[NetS
         assert "committed version 2" in a.isr("suspend", parcel.name).stdout
         a.wait_session_end(parcel)
         assert resumepack.BLOB_NAME not in committed_manifest(isr_env, parcel, 2).blobs   # A booted cold
+        # QEMU saved the guest's BIOS and option ROMs with its state: sealed against this PC's copies of
+        # them, the state is a small part of itself, and it is the same payload.
+        manifest = committed_manifest(isr_env, parcel, 2)
+        assert manifest.blobs[DEVSTATE_FILES] == manifest.blobs[DEVSTATE]
+        whole, without = (stored_blob(isr_env, parcel, 2, name) for name in (DEVSTATE, DEVSTATE_FILES))
+        keys = parcel_ops.unlock(DirStore(isr_env.store), uuid.UUID(parcel.id), keyfile=parcel.keyfile.read_bytes())
+        firmware = seal.files_named(keys.parcel_key, without, seal.KIND_DEVSTATE)
+        print(f"device state: {len(whole)} bytes sealed, {len(without)} against {firmware}")
+        assert firmware and 5 * len(without) < len(whole), (len(without), len(whole), firmware)
 
         out = b.resume(parcel, "--policy", "demand").stdout
         assert "resume pack" not in out, out
+        session_log = (b.state_dir(parcel) / "session.log").read_text()
+        assert f"device state: {len(without)} bytes fetched, its firmware (" in session_log, session_log
         with b.console(parcel) as console:
             check_continues(console, marks)
             marks = make_changes(console, "site-b", megabytes=1)
@@ -155,7 +174,21 @@ def test_resume_pack_serves_the_next_fresh_site(isr_env: IsrEnv, nets: list[NetS
         size = manifest.blobs[resumepack.BLOB_NAME].size
         assert 0 < size <= 2 * pack.FIRST_PART_BYTES, size
 
+        # C's QEMU has other firmware than B's: one byte of one of the files differs.
+        other = tmp_path / "other-firmware"
+        other.mkdir()
+        named = seal.files_named(keys.parcel_key, stored_blob(isr_env, parcel, 3, DEVSTATE_FILES), seal.KIND_DEVSTATE)
+        for name, size, digest in named:
+            data = bytearray(stateroms.lookup(name, size, digest) or b"")
+            assert len(data) == size, name
+            (other / name).write_bytes(data)
+        data[size // 2] ^= 0xFF
+        (other / named[-1][0]).write_bytes(data)
+        c.extra_env["ISR_QEMU_FIRMWARE_DIRS"] = str(other)
         out = c.resume(parcel, "--policy", "demand").stdout
+        session_log = (c.state_dir(parcel) / "session.log").read_text()
+        assert f"compressed against files this site lacks: {named[-1][0]}: fetching the whole device state" \
+            in session_log, session_log
         match = re.search(r"resume pack: ([0-9.]+) MiB of memory ready before its chunks", out)
         assert match and float(match.group(1)) > 0, out
         vulpes = c.stat(parcel)["session_status"]["vulpes"]
