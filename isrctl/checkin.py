@@ -34,7 +34,7 @@ from parcels.manifest import (
 from parcels.parcel import ParcelKeys
 from parcels.store import KEYRING_FILES, MANIFEST
 
-from . import background, paths, stateroms, workingset
+from . import background, pack, paths, stateroms, workingset
 from .checkout import Client, lock_broken_message
 from .errors import CheckinError, LockBroken, LockNotReleased, StateError, VulpesFailure
 from .localstate import DAMAGED, POWEROFF, RUNNING, SUSPENDED, Checkout, LocalChange, ParcelState
@@ -263,9 +263,10 @@ def stage(client: Client, state: ParcelState, parcel_keys: ParcelKeys) -> Staged
         del payload
         if without_firmware is not None:
             sealed[DEVSTATE_FILES] = without_firmware
-        for index, part in enumerate(change.resume_pack):
-            pack_sealed = state.local_pack_path(index).read_bytes()
-            seal.open_sealed(parcel_keys.parcel_key, pack_sealed, seal.KIND_DEVSTATE, int(part["size"]))
+        sizes = [int(part["size"]) for part in change.resume_pack]
+        local = [state.local_pack_path(index).read_bytes() for index in range(len(sizes))]
+        for index, pack_sealed in enumerate(pack.for_transfer(parcel_keys.parcel_key, local, sizes)):
+            seal.open_sealed(parcel_keys.parcel_key, pack_sealed, seal.KIND_DEVSTATE, sizes[index])
             sealed[resumepack.part_name(index)] = pack_sealed
     if change.nvram:
         sealed[firmware.NVRAM_BLOB] = state.local_nvram_path().read_bytes()

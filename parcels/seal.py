@@ -51,12 +51,13 @@ def _blob_key(parcel_key: Bytes, salt: bytes) -> bytes:
 
 
 def seal(parcel_key: Bytes, kind: int, payload: Bytes, compress: bool = True, *,
-         files: Sequence[tuple[str, Bytes]] | None = None, _salt: bytes | None = None) -> bytes:
+         files: Sequence[tuple[str, Bytes]] | None = None, level: int = zstd.DEFAULT_LEVEL,
+         _salt: bytes | None = None) -> bytes:
     """Seal `payload` as a blob of `kind` under `parcel_key`, with a fresh random salt.
 
     The payload is zstd-compressed when `compress` is true and that makes it smaller; with ``files`` (name,
     contents; device state only), compressed against them (compression 2), and its reader needs the same
-    files. `_salt` exists only so the test-vector generator can be deterministic; everything else must leave
+    files. ``level``: zstd's, for compression 1 (a blob many resumes fetch may be worth a slower one). `_salt` exists only so the test-vector generator can be deterministic; everything else must leave
     it unset, since a repeated salt would reuse a GCM key. Raises FormatError for an unknown kind, a parcel
     key that is not 32 bytes, a payload above MAX_PAYLOAD, or files the format does not allow.
     """
@@ -71,7 +72,7 @@ def seal(parcel_key: Bytes, kind: int, payload: Bytes, compress: bool = True, *,
     if files is not None:
         compression, body = COMPRESSION_ZSTD_FILES, _files_body(kind, payload, files)
     elif compress and payload:
-        packed = zstd.compress(payload)
+        packed = zstd.compress(payload, level)
         if len(packed) < len(payload):
             compression, body = COMPRESSION_ZSTD, packed
     header = HEADER.pack(MAGIC, VERSION, kind, compression, 0, salt, len(payload))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -210,3 +211,31 @@ def test_limit_follows_the_link_within_bounds() -> None:
     assert pack.limit(12e6) == pack.PACK_BYTES_MAX                   # 100 Mbit/s: the most
     middle = pack.limit(5e6)
     assert pack.PACK_BYTES < middle < pack.PACK_BYTES_MAX and middle % 4096 == 0
+
+
+def test_the_parts_a_resume_loads_first_cross_the_link_sealed_at_a_higher_level() -> None:
+    """`pack.for_transfer`: the parts holding the first PACK_BYTES are sealed again at TRANSFER_LEVEL (same
+    payload, fewer bytes: memory pages compress better with a larger search); the later ones are left as the
+    suspend sealed them."""
+    key = os.urandom(32)
+    rng = random.Random(7)
+    pages = [rng.randbytes(4096) for _ in range(64)]
+
+    def memory(size: int) -> bytes:           # pages like those of a guest: the same ones with a few changes
+        out = bytearray()
+        while len(out) < size:
+            page = bytearray(rng.choice(pages))
+            for _ in range(8):
+                page[rng.randrange(4096)] = rng.randrange(256)
+            out += page
+        return bytes(out[:size])
+    payloads = [memory(size) for size in [pack.FIRST_PART_BYTES] + [pack.PART_BYTES] * 40]
+    sealed = [pack.seal_pack(SimpleNamespace(parcel_key=key), p) for p in payloads]     # type: ignore[arg-type]
+    out = pack.for_transfer(key, sealed, [len(p) for p in payloads])
+    first = 1 + (pack.PACK_BYTES - pack.FIRST_PART_BYTES) // pack.PART_BYTES
+    assert out[first:] == sealed[first:]
+    for blob, before, payload in zip(out[:first], sealed, payloads):
+        assert len(blob) <= len(before)
+        assert seal.open_sealed(key, blob, seal.KIND_DEVSTATE, len(payload)) == payload
+    assert sum(map(len, out[:first])) < 0.95 * sum(map(len, sealed[:first]))
+    print(f"first {first} parts: {sum(map(len, sealed[:first]))} -> {sum(map(len, out[:first]))} bytes")
