@@ -191,6 +191,7 @@ def test_resume_pack_serves_the_next_fresh_site(isr_env: IsrEnv, nets: list[NetS
             in session_log, session_log
         match = re.search(r"resume pack: ([0-9.]+) MiB of memory ready before its chunks", out)
         assert match and float(match.group(1)) > 0, out
+        assert re.search(r"resume pack \+ qemu start [0-9.]+ s, qemu [0-9.]+ s", out), out    # side by side
         vulpes = c.stat(parcel)["session_status"]["vulpes"]
         print(f"site C resume:\n{out}\npack {size} bytes, vulpes hits {vulpes['hits']}")
         assert vulpes["images"]["memory"]["pack_bytes"] > 0
