@@ -13,7 +13,11 @@ among the first 2,048 of them). They are packed in touch order, each page in one
 others, then smaller parts of `PART_BYTES`, which follow while the guest runs (`load`); vulpes serves their
 pages from RAM ahead of the chunks, and a guest fault on a page whose part is about to come waits for it.
 
-A session that booted cold makes no pack: what a boot touches says little about what a resume will.
+What a guest touched first after its resume misses what moved since: the pages its processes and the kernel
+use at the end of the session, which the next resume needs too. So a suspend first drops the guest's mapped
+pages (vulpes's ``invalidate``) and lets it run on for `RECENT_SECONDS`: every page it touches then faults
+again and reaches the trace, and those the first touches lack follow them in the pack (`build`). A session
+that booted cold packs only those: what a boot touches says little about what a resume will.
 """
 from __future__ import annotations
 
@@ -61,6 +65,15 @@ FIRST_PART_BYTES = 1 << 20
 #: "demand first"). Waiting for the guest to stop missing instead starved the pack (its misses hardly stop
 #: before it answers) and doubled the time to the answer.
 PART_BYTES = 256 << 10
+#: How long a suspend lets the guest run on once its mapped pages are dropped (vulpes's ``invalidate``), so that
+#: the trace records the pages it is using at the end, not only those it touched first after its resume. The
+#: test guest's idle touches come in bursts up to 0.8 s apart (a task that wakes every second); of the pages a
+#: second before its suspend that its first touches lacked (56-71), the next site's guest read 51-69 before it
+#: answered, about half of its reads outside the pack (BENCHMARKS.md, "the pages a guest uses at its suspend").
+RECENT_SECONDS = 1.0
+#: At most this much plaintext of recent pages beyond the first touches (a test guest idling: about 550
+#: pages in a second, most of them among its first touches).
+RECENT_BYTES = 4 << 20
 #: zstd's level for the parts a resume fetches first (`for_transfer`). Measured on a hop-2 test guest's 8 MiB
 #: pack (29 parts, BENCHMARKS.md "the resume pack at zstd level 18"): 2.97 MB at level 3 in 0.02 s, 2.86 at
 #: 9, 2.79 at 16, 2.63 at 18 in 0.7 s, 2.62 at 19 in 1.1 s: 0.27 s less at 10 Mbit/s, 2.7 s at 1 Mbit/s.
@@ -76,9 +89,10 @@ def limit(rate_peak: float) -> int:
     return max(PACK_BYTES, min(PACK_BYTES_MAX, fits))
 
 
-def first_touches(trace: Path, image: str, limit: int) -> list[tuple[int, int]]:
+def first_touches(trace: Path, image: str, limit: int, *, since: float | None = None) -> list[tuple[int, int]]:
     """The byte ranges of ``image`` the trace's reads touched, in first-touch order, until ``limit`` new bytes
-    (a version-1 trace, which has no ranges, or a missing one: nothing)."""
+    (a version-1 trace, which has no ranges, or a missing one: nothing); with ``since`` (a time.time()), only
+    the reads from then on."""
     ranges: list[tuple[int, int]] = []
     seen: set[int] = set()               # pages already taken
     total = 0
@@ -93,6 +107,8 @@ def first_touches(trace: Path, image: str, limit: int) -> list[tuple[int, int]]:
                     continue
                 try:
                     offset, length = int(parts[5]), int(parts[6])
+                    if since is not None and float(parts[0]) < since:
+                        continue
                 except ValueError:
                     continue
                 first, last = offset // _PAGE, (offset + length - 1) // _PAGE
@@ -107,6 +123,17 @@ def first_touches(trace: Path, image: str, limit: int) -> list[tuple[int, int]]:
     except FileNotFoundError:
         return []
     return ranges
+
+
+def _within(ranges: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
+    """The first of ``ranges`` whose bytes add up to at most ``limit``."""
+    out, total = [], 0
+    for offset, length in ranges:
+        if total + length > limit:
+            break
+        out.append((offset, length))
+        total += length
+    return out
 
 
 def extents(ranges: list[tuple[int, int]], image_size: int) -> list[tuple[int, int]]:
@@ -127,15 +154,26 @@ def extents(ranges: list[tuple[int, int]], image_size: int) -> list[tuple[int, i
 
 
 def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES, first: int = FIRST_PART_BYTES,
-          part: int = PART_BYTES) -> list[bytes]:
+          part: int = PART_BYTES, recent_since: float | None = None, resumed: bool = True) -> list[bytes]:
     """The pack's part payloads for the memory image at ``memory`` (vulpes's file, read after the guest
-    stopped), from this session's ``trace``, first touches first, the first part ``first`` bytes and the
-    others ``part`` (the last part takes what is left once there are `resumepack.PARTS_MAX`); none if the trace
-    recorded no memory reads. Each page is in one part only, and the first part carries the map of the others,
-    so that a resume whose guest reaches a page before its part arrives waits for that part."""
+    stopped), from this session's ``trace``: the pages the guest read first after its resume (none if it
+    booted cold, ``resumed`` false), first touches first, up to ``limit``; then its **recent pages**, those it
+    read from ``recent_since`` on (`RECENT_SECONDS` before the suspend stopped it, once its mapped pages were
+    dropped so that every touch faulted again), that are not among them, up to `RECENT_BYTES`. The first part
+    holds ``first`` bytes and the others ``part`` (the last part takes what is left once there are
+    `resumepack.PARTS_MAX`); none if the trace recorded no memory reads. Each page is in one part only, and the
+    first part carries the map of the others, so that a resume whose guest reaches a page before its part
+    arrives waits for that part."""
     groups: list[list[tuple[int, int]]] = [[]]
     size = 0
-    for offset, length in first_touches(trace, "memory", limit):
+    touched = first_touches(trace, "memory", limit) if resumed else []
+    if recent_since is not None:
+        seen = {page for offset, length in touched for page in range(offset // _PAGE, -(-(offset + length) // _PAGE))}
+        recent = [(offset, length) for offset, length in first_touches(trace, "memory", RECENT_BYTES + limit,
+                                                                          since=recent_since)
+                  if any(page not in seen for page in range(offset // _PAGE, -(-(offset + length) // _PAGE)))]
+        touched += _within(recent, RECENT_BYTES)
+    for offset, length in touched:
         if size >= (first if len(groups) == 1 else part) and len(groups) < resumepack.PARTS_MAX:
             groups.append([])
             size = 0

@@ -119,6 +119,7 @@ class Session:
         self.trace_path: Path | None = None
         #: The guest continued from a saved state (not a cold boot): its trace can make the next resume pack.
         self.resumed = False
+        self._recent_since: float | None = None      # when the suspend began to watch the recent pages
         #: Set once the resume pack's parts are all with vulpes (at once if there are none to stream).
         self._pack_loaded = threading.Event()
         self._pack_loaded.set()
@@ -821,6 +822,9 @@ class Session:
         # Asked while QEMU saves the state, so that the upload does not wait a connection and a round trip for it.
         answers = background.start("health check", self._server_answers) if checkin and kind == SUSPENDED else None
         if kind == SUSPENDED:
+            self._recent_since = self._watch_recent_pages()
+            if self._recent_since is not None:
+                t = _lap(phases, "recent pages", t)
             try:
                 self.vm.stop()
                 with contextlib.suppress(IsrError):
@@ -1027,12 +1031,28 @@ class Session:
 
             threading.Thread(target=rest, name="resume-pack", daemon=True).start()
 
+    def _watch_recent_pages(self) -> float | None:
+        """Let the guest run `pack.RECENT_SECONDS` more with its mapped pages dropped, so that the trace records
+        the pages it is using now (the resume pack's recent pages); when that began, or None if not (no trace,
+        or vulpes refused)."""
+        assert self.vulpes is not None
+        if self.trace_path is None:
+            return None
+        since = time.time()
+        try:
+            self.vulpes.invalidate("memory")
+        except VulpesFailure as exc:
+            log.warning("the resume pack has no recent pages: %s", exc)
+            return None
+        time.sleep(pack.RECENT_SECONDS)
+        return since
+
     def _make_resume_pack(self) -> list[dict[str, Any]]:
         """Seal this session's resume pack into ``local/resumepack*``; each part's digest and size, or none (the
         guest booted cold here, the trace holds no memory reads, or the pack could not be made: it is
         optional)."""
         assert self.vulpes is not None and self.manifest is not None
-        if not self.resumed or self.trace_path is None:
+        if self.trace_path is None or not (self.resumed or self._recent_since is not None):
             return []
         made = []
         try:
@@ -1042,7 +1062,7 @@ class Session:
                 rate_peak = 0
             limit = pack.limit(rate_peak)
             payloads = pack.build(self.trace_path, self.vulpes.memory, self.manifest.images["memory"].size,
-                                  limit=limit)
+                                  limit=limit, recent_since=self._recent_since, resumed=self.resumed)
             log.info("resume pack: %d parts of at most %d MiB (the link carried %.1f MB/s at best)", len(payloads),
                      limit >> 20, rate_peak / 1e6)
             for index, payload in enumerate(payloads):

@@ -279,6 +279,11 @@ class Vulpes:
         """No more parts of the resume pack of ``image`` will come: vulpes stops waiting for them."""
         self.control({"op": "preload", "image": image, "end": True})
 
+    def invalidate(self, image: str) -> None:
+        """Drop the kernel's cached pages of ``image`` (also those QEMU maps): each next touch faults again and
+        reaches the trace."""
+        self.control({"op": "invalidate", "image": image})
+
     def flush(self) -> None:
         """Make every write vulpes has acknowledged durable (chunk objects and keyring records)."""
         self.control({"op": "flush"}, timeout=600)

@@ -103,6 +103,37 @@ def test_each_page_is_in_one_part_and_the_first_part_maps_the_others(tmp_path: P
             assert bytes(data) == image[e.offset:e.offset + e.length]
 
 
+def test_recent_pages_follow_the_first_touches_and_alone_make_a_cold_boots_pack(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pages read from ``recent_since`` on (after the suspend dropped the guest's mapped pages) that the
+    first touches lack come after them, within RECENT_BYTES; a session that booted cold packs only those."""
+    trace = tmp_path / "t.trace"
+    trace.write_text("# vulpes-trace 3 disk.chunk_size=131072 memory.chunk_size=131072\n"
+                     "1.0 memory 0 r server 8192 4096\n"             # after the resume
+                     "1.5 memory 0 r server 0 4096\n"
+                     "2.0 memory 0 w new 40960 4096\n"
+                     "9.0 memory 0 r ram 8192 4096\n"                # the recent window: a page read before,
+                     "9.1 memory 1 r server 36864 4096\n"            # new ones,
+                     "9.2 disk 0 r server 65536 4096\n"              # another image, a write: not reads of memory
+                     "9.3 memory 0 w ram 45056 4096\n"
+                     "9.4 memory 1 r server 24576 8192\n")
+    memory = tmp_path / "memory"
+    image = os.urandom(64 << 10)
+    memory.write_bytes(image)
+
+    def offsets(**kwargs: Any) -> list[int]:
+        return [e.offset for p in pack.build(trace, memory, len(image), first=4096, part=4096, **kwargs)
+                for e, _ in resumepack.decode(p, len(image))]
+    assert offsets() == [8192, 0, 36864, 24576]                   # no window: the first touches
+    assert offsets(resumed=False) == []                            # a cold boot without a window: none
+    assert offsets(recent_since=9.0) == [8192, 0, 36864, 24576]
+    assert offsets(recent_since=9.0, limit=4096) == [8192, 36864, 24576]
+    assert offsets(recent_since=9.0, resumed=False) == [8192, 36864, 24576]
+    monkeypatch.setattr(pack, "RECENT_BYTES", 8192)
+    assert offsets(recent_since=9.0, resumed=False) == [8192, 36864]
+    assert offsets(recent_since=9.5, resumed=False) == []
+
+
 class PreloadRecorder:
     """Stands in for `isrctl.vulpes.Vulpes` where `pack.load` hands it the parts: records what it was given."""
 

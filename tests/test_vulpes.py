@@ -792,6 +792,49 @@ def test_memory_mount_reads_one_page_per_fault(vulpes_binary: Path, isr_server: 
     assert reads[9] == 32768, reads
 
 
+def test_invalidate_makes_the_next_touch_of_a_mapped_page_fault_again(vulpes_binary: Path, isr_server: IsrServer,
+                                                                      tmp_path: Path) -> None:
+    """{"op": "invalidate"} drops the kernel's pages of an image on both mounts, also from a live shared
+    mapping: the next touch of each page is a read the trace records again, and a page written through the
+    mapping before it is written back first, not lost."""
+    memory = random_image(2 * MIB, seed=181, data_fraction=1.0)
+    state = make_state(tmp_path / "state", bytes(1 * MIB), 2 * MIB, memory=memory)
+    state.publish(isr_server.store)
+    trace, ram = tmp_path / "trace.txt", tmp_path / "mnt-ram"
+    ram.mkdir()
+    pages = [3 * CHUNK_SIZE + 8192, 11 * CHUNK_SIZE]
+
+    def reads() -> list[int]:
+        return [int(r[5]) for r in (line.split() for line in trace.read_text().splitlines()[1:])
+                if r[1] == "memory" and r[3] == "r"]
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server, extra=[f"--memory-mount={ram}"]) as v:
+        assert v.control({"op": "trace-start", "path": str(trace)})["ok"]
+        fd = os.open(ram / "memory", os.O_RDWR)
+        try:
+            with mmap.mmap(fd, 2 * MIB, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as m:
+                for offset in pages:
+                    assert m[offset:offset + 8] == memory[offset:offset + 8]
+                m[pages[1]:pages[1] + 5] = b"fresh"
+                for offset in pages:                    # in the page cache now: no read
+                    assert m[offset + 8:offset + 16] == memory[offset + 8:offset + 16]
+                v.control({"op": "trace-stop"})
+                assert sorted(reads()) == pages, reads()
+                assert v.control({"op": "trace-start", "path": str(trace)})["ok"]
+                assert v.control({"op": "invalidate", "image": "memory"})["ok"]
+                for offset in pages:
+                    assert m[offset + 8:offset + 16] == memory[offset + 8:offset + 16]
+                assert m[pages[1]:pages[1] + 5] == b"fresh"
+                v.control({"op": "trace-stop"})
+        finally:
+            os.close(fd)
+        assert sorted(reads()) == sorted(pages * 2), reads()
+        with open(v.path("memory"), "rb") as f:           # written back through vulpes, not only cached
+            f.seek(pages[1])
+            assert f.read(5) == b"fresh"
+        refused = v.control({"op": "invalidate", "image": "swap"})
+        assert not refused["ok"] and "disk or memory" in refused["error"]
+
+
 def test_debug_level_from_the_environment_logs_every_get(vulpes_binary: Path, isr_server: IsrServer,
                                                          tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """VULPES_LOG_LEVEL=debug (how bench/ turns it on under isr) logs each GET with its priority, size and

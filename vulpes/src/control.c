@@ -148,6 +148,24 @@ static Image *named_image(Control *c, json_t *request) {
 }
 
 /*
+ * {"op": "invalidate", "image": "memory"}: the kernel drops its cached pages of the image on every mount (and
+ * unmaps them from QEMU), so that the guest's next touch of each faults again and the trace records it: isr
+ * learns which pages a guest is using now, not only which it touched first (the resume pack's recent pages).
+ */
+static json_t *op_invalidate(Control *c, json_t *request) {
+        const char *name = json_string_value(json_object_get(request, "image"));
+        int r;
+
+        for (int i = 0; name && i < _DAEMON_IMAGE_MAX; i++)
+                if (strcmp(name, daemon_image_name((DaemonImage) i)) == 0) {
+                        r = daemon_invalidate(c->daemon, (DaemonImage) i);
+                        return r < 0 ? error_response("failed to invalidate the %s image: %s", name, strerror(-r))
+                                     : ok_response();
+                }
+        return error_response("invalidate needs \"image\": disk or memory");
+}
+
+/*
  * {"op": "preload", "image": "memory", "path": P, "part": N}: part N (default 0) of the resume pack of an
  * image, read from P (isr passes a memfd as /proc/<pid>/fd/<n>, so the plaintext never touches a disk).
  * {"op": "preload", "image": "memory", "end": true}: no more parts will come.
@@ -294,6 +312,8 @@ static json_t *handle(Control *c, json_t *request) {
                 r = cache_set_limit(daemon_cache(c->daemon), (uint64_t) json_integer_value(limit));
                 return r < 0 ? error_response("failed to set the cache limit: %s", strerror(-r)) : op_status(c);
         }
+        if (strcmp(op, "invalidate") == 0)
+                return op_invalidate(c, request);
         if (strcmp(op, "hoard") == 0)
                 return op_hoard(c, request);
         if (strcmp(op, "preload") == 0)

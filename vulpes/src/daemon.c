@@ -28,12 +28,31 @@ struct Daemon {
         Image *images[_DAEMON_IMAGE_MAX];
         Hoard *hoard;
         Writeback *writeback;
+        DaemonInvalidator invalidate[DAEMON_MOUNTS_MAX];
+        void *invalidate_arg[DAEMON_MOUNTS_MAX];
+        unsigned n_invalidators;
 };
 
 static const char *const image_names[_DAEMON_IMAGE_MAX] = { "disk", "memory" };
 
 const char *daemon_image_name(DaemonImage id) {
         return id < _DAEMON_IMAGE_MAX ? image_names[id] : "?";
+}
+
+int daemon_add_invalidator(Daemon *d, DaemonInvalidator fn, void *arg) {
+        if (d->n_invalidators == DAEMON_MOUNTS_MAX)
+                return -ENOSPC;
+        d->invalidate[d->n_invalidators] = fn;
+        d->invalidate_arg[d->n_invalidators++] = arg;
+        return 0;
+}
+
+int daemon_invalidate(Daemon *d, DaemonImage id) {
+        int r = d->n_invalidators ? 0 : -ENOTSUP;
+
+        for (unsigned k = 0; k < d->n_invalidators && r >= 0; k++)
+                r = d->invalidate[k](d->invalidate_arg[k], id);
+        return r;
 }
 
 Image *daemon_image(Daemon *d, DaemonImage id) {

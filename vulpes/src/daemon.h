@@ -68,6 +68,15 @@ int daemon_flush(Daemon *d);
 /* Room held for nothing given back: dirty chunks flushed (with flush), stale pins dropped. */
 int daemon_room_reclaim(Daemon *d, bool flush);
 int daemon_set_offline(Daemon *d, bool offline);
+
+/* The mounts that serve the images (the main one, the memory mount): each drops the kernel's cached pages
+ * of an image when asked (daemon_invalidate()), so that the next accesses fault again and reach the trace. */
+enum { DAEMON_MOUNTS_MAX = 2 };
+typedef int (*DaemonInvalidator)(void *arg, DaemonImage id);
+int daemon_add_invalidator(Daemon *d, DaemonInvalidator fn, void *arg);
+/* Drops the kernel's cached pages of image `id` on every mount (dirty ones are written back first, as
+ * ordinary writes); -ENOTSUP with no mount. */
+int daemon_invalidate(Daemon *d, DaemonImage id);
 int daemon_trace_start(Daemon *d, const char *path);
 
 /* The full status report as a JSON object (malloc()ed text): images, I/O, tiers, fetch latency,

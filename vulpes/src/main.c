@@ -352,6 +352,9 @@ int main(int argc, char *argv[]) {
         r = mount_new(daemon, &fuse_options, &mount);
         if (r < 0)
                 goto out_daemon;
+        r = daemon_add_invalidator(daemon, mount_invalidate, mount);
+        if (r < 0)
+                goto out_mount;
         if (o.memory_mountpoint) {
                 memory_options = fuse_options;
                 memory_options.mountpoint = o.memory_mountpoint;
@@ -366,6 +369,9 @@ int main(int argc, char *argv[]) {
                         goto out_mount;
                 }
                 memory_running = true;
+                r = daemon_add_invalidator(daemon, mount_invalidate, memory_mount);
+                if (r < 0)
+                        goto out_mount;
         }
         if (o.control_path) {
                 r = control_start(daemon, o.control_path, &control);

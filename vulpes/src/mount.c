@@ -509,6 +509,17 @@ int mount_run(Mount *m) {
         return r == 0 ? 0 : -EIO;
 }
 
+int mount_invalidate(void *mount, DaemonImage id) {
+        Mount *m = mount;
+        int r;
+
+        if (!m->mounted)
+                return 0;
+        /* Offset 0, length 0: every cached page of the file; mappings (QEMU's guest RAM) are unmapped too. */
+        r = fuse_lowlevel_notify_inval_inode(m->session, FIRST_FILE_INO + (fuse_ino_t) id, 0, 0);
+        return r == -ENOENT ? 0 : r;            /* the kernel has never looked the file up on this mount */
+}
+
 void mount_stop(Mount *m) {
         fuse_session_exit(m->session);
         if (m->mounted) {

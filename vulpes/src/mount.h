@@ -28,6 +28,8 @@ int mount_run(Mount *m);
 /* Makes mount_run() return, from another thread: unmounts, which ends the kernel's connection (lazily: a
  * file still open keeps it until closed). */
 void mount_stop(Mount *m);
+/* A DaemonInvalidator (daemon.h): drops the kernel's cached pages of image `id` on this mount. */
+int mount_invalidate(void *mount, DaemonImage id);
 
 /* Unmounts (if still mounted) and frees. */
 Mount *mount_free(Mount *m);
