@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 60.0
+#: How long a suspend waits for vulpes to drop the guest's mapped pages (`Vulpes.invalidate`).
+INVALIDATE_TIMEOUT = 10.0
 _LOG_TAIL = 3000
 #: How often `Vulpes.hoard_and_wait` looks at the hoard's progress: also how late, at most, it sees the end
 #: (every 0.2 s, that was up to 5 % of `isr hoard` at 100 Mbit/s; a status request took about 2 ms).
@@ -281,8 +283,9 @@ class Vulpes:
 
     def invalidate(self, image: str) -> None:
         """Drop the kernel's cached pages of ``image`` (also those QEMU maps): each next touch faults again and
-        reaches the trace."""
-        self.control({"op": "invalidate", "image": image})
+        reaches the trace. Dirty pages are written back first: no fetch, but a bound all the same (it is
+        optional)."""
+        self.control({"op": "invalidate", "image": image}, timeout=INVALIDATE_TIMEOUT)
 
     def flush(self) -> None:
         """Make every write vulpes has acknowledged durable (chunk objects and keyring records)."""
