@@ -75,7 +75,7 @@ RECENT_SECONDS = 1.0
 #: pages in a second, most of them among its first touches).
 RECENT_BYTES = 4 << 20
 #: zstd's level for the parts a resume fetches first (`for_transfer`). Measured on a hop-2 test guest's 8 MiB
-#: pack (29 parts, BENCHMARKS.md "the resume pack at zstd level 18"): 2.97 MB at level 3 in 0.02 s, 2.86 at
+#: pack (29 parts, BENCHMARKS.md "the device state without its firmware"): 2.97 MB at level 3 in 0.02 s, 2.86 at
 #: 9, 2.79 at 16, 2.63 at 18 in 0.7 s, 2.62 at 19 in 1.1 s: 0.27 s less at 10 Mbit/s, 2.7 s at 1 Mbit/s.
 TRANSFER_LEVEL = 18
 _PAGE = 4096

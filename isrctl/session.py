@@ -822,7 +822,7 @@ class Session:
         # Asked while QEMU saves the state, so that the upload does not wait a connection and a round trip for it.
         answers = background.start("health check", self._server_answers) if checkin and kind == SUSPENDED else None
         if kind == SUSPENDED:
-            self._recent_since = self._watch_recent_pages()
+            self._recent_since = self._watch_recent_pages(answers)
             if self._recent_since is not None:
                 t = _lap(phases, "recent pages", t)
             try:
@@ -1031,17 +1031,21 @@ class Session:
 
             threading.Thread(target=rest, name="resume-pack", daemon=True).start()
 
-    def _watch_recent_pages(self) -> float | None:
+    def _watch_recent_pages(self, answers: concurrent.futures.Future[bool] | None) -> float | None:
         """Let the guest run `pack.RECENT_SECONDS` more with its mapped pages dropped, so that the trace records
-        the pages it is using now (the resume pack's recent pages); when that began, or None if not (no trace,
-        or vulpes refused)."""
+        the pages it is using now (the resume pack's recent pages); when that began, or None if not: no trace,
+        vulpes refused, or the server does not answer (``answers``: the suspend's health check), for then a
+        guest that runs on may wait for it (a write to part of a disk chunk not here), and the stop with it."""
         assert self.vulpes is not None
         if self.trace_path is None:
             return None
-        since = time.time()
         try:
+            if (answers is not None and not answers.result()) or self.vulpes.status()["fetch"].get("waiting"):
+                log.info("the resume pack has no recent pages: the server does not answer")
+                return None
+            since = time.time()
             self.vulpes.invalidate("memory")
-        except VulpesFailure as exc:
+        except (VulpesFailure, KeyError) as exc:
             log.warning("the resume pack has no recent pages: %s", exc)
             return None
         time.sleep(pack.RECENT_SECONDS)
