@@ -33,7 +33,9 @@ class HostQemu:
     cpus: frozenset[str]
 
 
-def _run(args: list[str]) -> str:
+def run_qemu(args: list[str]) -> str:
+    """The output of a QEMU query (``args``: the binary and its options). Raises CompatibilityError if QEMU
+    is missing or fails."""
     try:
         return subprocess.run(args, capture_output=True, text=True, timeout=30, check=True).stdout
     except FileNotFoundError:
@@ -47,16 +49,16 @@ def host_qemu(binary: str = QEMU) -> HostQemu:
     """Ask the local QEMU for its version, machine types and CPU models (cached per process).
     Raises CompatibilityError if QEMU is missing or does not answer."""
     path = shutil.which(binary) or binary
-    version_text = _run([path, "--version"])
+    version_text = run_qemu([path, "--version"])
     match = re.search(r"version (\d+\.\d+(?:\.\d+)?)", version_text)
     if match is None:
         raise CompatibilityError(f"cannot tell the QEMU version from {version_text.splitlines()[:1]}")
     machines = set()
-    for line in _run([path, "-machine", "help"]).splitlines()[1:]:
+    for line in run_qemu([path, "-machine", "help"]).splitlines()[1:]:
         if line.strip():
             machines.add(line.split()[0])
     cpus = set()
-    for line in _run([path, "-cpu", "help"]).splitlines():
+    for line in run_qemu([path, "-cpu", "help"]).splitlines():
         parts = line.split()
         if len(parts) >= 2 and parts[0] == "x86":
             cpus.add(parts[1])

@@ -128,6 +128,11 @@ def first_touches(trace: Path, image: str, limit: int, *, since: float | None = 
     return ranges
 
 
+def _pages(offset: int, length: int) -> range:
+    """The pages a byte range touches."""
+    return range(offset // _PAGE, -(-(offset + length) // _PAGE))
+
+
 def _within(ranges: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
     """The first of ``ranges`` whose bytes add up to at most ``limit``."""
     out, total = [], 0
@@ -171,10 +176,10 @@ def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES
     size = 0
     touched = first_touches(trace, "memory", limit) if resumed else []
     if recent_since is not None:
-        seen = {page for offset, length in touched for page in range(offset // _PAGE, -(-(offset + length) // _PAGE))}
+        seen = {page for offset, length in touched for page in _pages(offset, length)}
         recent = [(offset, length) for offset, length in first_touches(trace, "memory", RECENT_BYTES + limit,
                                                                           since=recent_since)
-                  if any(page not in seen for page in range(offset // _PAGE, -(-(offset + length) // _PAGE)))]
+                  if any(page not in seen for page in _pages(offset, length))]
         touched += _within(recent, RECENT_BYTES)
     for offset, length in touched:
         if size >= (first if len(groups) == 1 else part) and len(groups) < resumepack.PARTS_MAX:
@@ -186,7 +191,7 @@ def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES
     layouts: list[list[tuple[int, int]]] = []
     for group in groups:
         pages = [page for start, length in extents(group, image_size)
-                 for page in range(start // _PAGE, -(-(start + length) // _PAGE)) if page not in taken]
+                 for page in _pages(start, length) if page not in taken]
         taken.update(pages)
         layouts.append(extents([(page * _PAGE, _PAGE) for page in pages], image_size))
     layouts = [layout for layout in layouts if layout]

@@ -22,12 +22,12 @@ import functools
 import logging
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 from parcels import crypto, seal
 
-from .compat import QEMU
+from .compat import QEMU, run_qemu
+from .errors import CompatibilityError
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,8 @@ def firmware_dirs(binary: str = QEMU) -> tuple[Path, ...]:
         listed = [part for part in override.split(":") if part]
     else:
         try:
-            out = subprocess.run([shutil.which(binary) or binary, "-L", "help"], capture_output=True, text=True,
-                                 timeout=30, check=True).stdout
-        except (OSError, subprocess.SubprocessError) as exc:
+            out = run_qemu([shutil.which(binary) or binary, "-L", "help"])
+        except (CompatibilityError, OSError) as exc:
             log.info("cannot ask %s where its firmware is (%s): device states are sealed whole", binary, exc)
             return ()
         listed = [line.strip() for line in out.splitlines() if line.strip()]
