@@ -64,7 +64,8 @@ class Probe:
         with socket.create_connection(("127.0.0.1", self.port), timeout=30) as raw:
             try:
                 tls = ctx.wrap_socket(raw)
-            except (ConnectionResetError, ssl.SSLEOFError):
+            except (ConnectionResetError, ssl.SSLEOFError, ssl.SSLZeroReturnError):
+                # Closed by the stopping worker, abruptly or with a TLS close_notify.
                 raise ClosedUnanswered("closed in the TLS handshake") from None
         with tls:
             der = tls.getpeercert(binary_form=True)
