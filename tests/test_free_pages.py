@@ -44,7 +44,7 @@ def test_punched_chunks_read_zeros_unfetched_and_lose_their_records(vulpes_binar
                                                                     tmp_path: Path) -> None:
     """A hole over whole chunks makes them zeros without fetching them, and their flush drops their records;
     the pieces of chunks at its edges are zeroed through the write path; a mapped page in a hole reads zeros
-    at once (the kernel drops it); the holes survive a restart."""
+    at once (the kernel drops it); chunks punched whole need no room in the cache; the holes survive a restart."""
     rng = random.Random(191)
     disk, memory = rng.randbytes(4 * MIB), rng.randbytes(2 * MIB)         # no two chunks alike
     state = make_state(tmp_path / "state", disk, 2 * MIB, memory=memory)
@@ -69,13 +69,20 @@ def test_punched_chunks_read_zeros_unfetched_and_lose_their_records(vulpes_binar
                 punch(ram / "memory", 5 * CHUNK_SIZE, 4 * CHUNK_SIZE)
                 memory_model[5 * CHUNK_SIZE:9 * CHUNK_SIZE] = bytes(4 * CHUNK_SIZE)
                 assert m[page:page + 16] == bytes(16)
+            # Chunks punched whole store nothing (until a close or fsync flushes them, they are dirty zeros):
+            # they need no room, and the session must not take them for writes the cache had no room for
+            # (it would pause the VM).
+            punch_fd(fd, 12 * CHUNK_SIZE, 2 * CHUNK_SIZE)
+            memory_model[12 * CHUNK_SIZE:14 * CHUNK_SIZE] = bytes(2 * CHUNK_SIZE)
+            memory_now = v.status()["images"]["memory"]
+            assert memory_now["dirty_chunks"] >= 2 and memory_now["unreserved_chunks"] == 0, memory_now
         finally:
             os.close(fd)
         assert read_all(v.path("disk")) == disk_model
         assert read_all(v.path("memory")) == memory_model
         # The full reads fetched every other chunk, but none of the punched ones (memory chunk 6 was read
         # before its punch).
-        for image, punched in (("disk", (2, 3)), ("memory", (5, 7, 8))):
+        for image, punched in (("disk", (2, 3)), ("memory", (5, 7, 8, 12, 13))):
             for index in punched:
                 assert not chunk_path(cache, state.tag_of(image, index)).exists(), (image, index)
         assert chunk_path(cache, state.tag_of("disk", 5)).exists()
@@ -84,7 +91,7 @@ def test_punched_chunks_read_zeros_unfetched_and_lose_their_records(vulpes_binar
                 os.fsync(f.fileno())
         after = v.status()["images"]
         assert after["disk"]["records"] == before["disk"]["records"] - 2
-        assert after["memory"]["records"] == before["memory"]["records"] - 4
+        assert after["memory"]["records"] == before["memory"]["records"] - 6
     with Vulpes(vulpes_binary, tmp_path / "mnt", state, cache, server=isr_server.url,
                 token_file=isr_server.token_file, ca=isr_server.ca) as v:
         assert read_all(v.path("disk")) == disk_model

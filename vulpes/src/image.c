@@ -20,8 +20,10 @@
  * Room: a chunk that becomes dirty reserves room in the cache for its largest object first
  * (cache_reserve()), and its flush spends that reservation, so a flush does not fail for lack of space
  * after the write was acknowledged; a write without room fails with ENOSPC before it changes anything.
- * A punched chunk (image_punch()) is dirty zeros without room: its flush stores nothing, and a write to
- * it reserves first like a write to a clean chunk.
+ * A punched chunk (image_punch()) is dirty zeros without room (`zeroed`): its flush stores nothing, so it
+ * needs none and is not counted as unreserved, and a write to it reserves first like a write to a clean
+ * chunk (with full_waits too: a guest's freed pages punched and then used again must not look like writes
+ * the cache had no room for).
  *
  * Threading: every function is safe from any thread.  Lock order: flush_lock, then lock, then db_lock.
  * Besides the callers' threads: one flusher and READAHEAD_WORKERS readahead workers per image.
@@ -118,6 +120,7 @@ typedef struct Chunk {
         bool ahead;                        /* loaded by readahead, not read yet: its first read reports ahead_tier */
         bool pack_stale;                   /* written since the resume pack was taken: the pack is not its content */
         bool reserved;                     /* holds room in the cache for its object (dirty chunks only) */
+        bool zeroed;                       /* dirty zeros from a punch, not written since: needs no room */
         uint64_t *written;                 /* PARTIAL (and while completing): a bit per page written */
         uint8_t ahead_tier;
         int64_t lru_prev, lru_next;        /* clean READY chunks only; head is the least recently used */
@@ -1008,6 +1011,7 @@ static void chunk_changed_locked(Image *img, uint64_t idx) {
 
         c->gen++;
         c->pack_stale = true;
+        c->zeroed = false;                 /* a punch sets it again after this */
         if (c->dirty)
                 return;
         c->dirty = true;
@@ -1044,8 +1048,9 @@ ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset) {
                 } else if (r >= 0) {
                         r = chunk_ready_locked(img, idx, piece == n, &tier);
                 }
-                /* Dirty chunks hold room, but for those that went dirty without (full_waits) and punched ones. */
-                if (r >= 0 && !c->reserved && (!c->dirty || !img->full_waits))
+                /* Dirty chunks hold room, but for those that went dirty without (full_waits) and punched ones;
+                 * a write to a punched one reserves like one to a clean chunk. */
+                if (r >= 0 && !c->reserved && (!c->dirty || c->zeroed || !img->full_waits))
                         r = chunk_reserve_locked(img, idx);
                 if (r < 0) {
                         pthread_mutex_unlock(&img->lock);
@@ -1089,6 +1094,7 @@ static int chunk_punch_locked(Image *img, uint64_t idx) {
                 return r;
         memset(img->chunks[idx].data, 0, length_of(img, idx));
         chunk_changed_locked(img, idx);
+        img->chunks[idx].zeroed = true;
         return 1;
 }
 
@@ -1248,7 +1254,7 @@ static int flush_batch(Image *img, FlushItem *items, size_t n) {
                         /* Clean: its room went to its object, or (all zeros) is not needed. */
                         if (items[i].reserved && !items[i].spent)
                                 cache_unreserve(img->src.cache, img->object_max);
-                        c->reserved = false;
+                        c->reserved = c->zeroed = false;
                         items[i].reserved = items[i].spent = false;
                 }
         }
@@ -1716,7 +1722,7 @@ void image_status(Image *img, ImageStatus *ret) {
         for (uint64_t i = 0, seen = 0; i < img->n_chunks && seen < img->dirty_chunks; i++)
                 if (img->chunks[i].dirty) {
                         seen++;
-                        ret->unreserved_chunks += !img->chunks[i].reserved;
+                        ret->unreserved_chunks += !img->chunks[i].reserved && !img->chunks[i].zeroed;
                 }
         pthread_mutex_unlock(&img->lock);
         pthread_mutex_lock(&img->db_lock);

@@ -2,7 +2,7 @@
 /*
  * Tests for image.c without FUSE or a server: read-modify-write against a model (unaligned, chunk-crossing,
  * the short last chunk), flush to cache and keyring and reopening from them, all-zero chunks losing their
- * record, punched holes (whole chunks dropped unread, edges zeroed), the RAM bound, upload bookkeeping, a definitive error for a chunk that exists nowhere, the
+ * record, punched holes (whole chunks dropped unread, edges zeroed; no room needed for them), the RAM bound, upload bookkeeping, a definitive error for a chunk that exists nowhere, the
  * resume pack, and the trace line format.
  */
 #define _GNU_SOURCE
@@ -504,6 +504,36 @@ static void test_punch(void **state) {
         image_free(img);
 }
 
+/* A memory image (full_waits): chunks punched whole need no room, so they are not unreserved (the session
+ * pauses the VM for those), and a write to one reserves like a write to a clean chunk. */
+static void test_punch_needs_no_room(void **state) {
+        Fixture *f = *state;
+        uint8_t data[CS];
+        ImageStatus st;
+        Image *img = open_image(f, 64 * CS);
+
+        image_set_full_waits(img, true);
+        fill_chunks(f, img);
+        assert_int_equal(image_flush(img), 0);
+        assert_int_equal(image_punch(img, 3 * CS, 3 * CS), 0);
+        image_status(img, &st);
+        assert_int_equal(st.dirty_chunks, 3);
+        assert_int_equal(st.unreserved_chunks, 0);
+        memset(data, 0x77, sizeof(data));
+        assert_int_equal(image_write(img, data, 10, 4 * CS + 1), 10);
+        memset(f->model + 3 * CS, 0, 3 * CS);
+        memset(f->model + 4 * CS + 1, 0x77, 10);
+        image_status(img, &st);
+        assert_int_equal(st.dirty_chunks, 3);
+        assert_int_equal(st.unreserved_chunks, 0);
+        check_all(img, f->model);
+        assert_int_equal(image_flush(img), 0);
+        image_status(img, &st);
+        assert_int_equal(st.dirty_chunks, 0);
+        assert_int_equal(st.records, 21 - 2);
+        image_free(img);
+}
+
 static void test_trace_format(void **state) {
         char line[128];
 
@@ -526,6 +556,7 @@ int main(void) {
                 cmocka_unit_test_setup_teardown(test_resume_pack, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_resume_pack_map_waits, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_punch, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_punch_needs_no_room, setup, teardown),
                 cmocka_unit_test(test_trace_format),
         };
 
