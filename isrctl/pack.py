@@ -16,7 +16,8 @@ pages from RAM ahead of the chunks, and a guest fault on a page whose part is ab
 What a guest touched first after its resume misses what moved since: the pages its processes and the kernel
 use at the end of the session, which the next resume needs too. So a suspend first drops the guest's mapped
 pages (vulpes's ``invalidate``) and lets it run on for `RECENT_SECONDS`: every page it touches then faults
-again and reaches the trace, and those the first touches lack follow them in the pack (`build`). A session
+again and reaches the trace, and those the first touches lack go into the pack early, beside the first touches
+that follow its first part (`build`). A session
 that booted cold packs only those: what a boot touches says little about what a resume will.
 """
 from __future__ import annotations
@@ -144,6 +145,31 @@ def _within(ranges: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
     return out
 
 
+def _interleaved(firsts: list[tuple[int, int]], recent: list[tuple[int, int]], head: int) -> list[tuple[int, int]]:
+    """``firsts`` until ``head`` bytes (the pack's first part), then the rest of them and ``recent`` in turn, byte
+    for byte. A resumed guest's periodic work (a task that wakes every second) touches its recent pages within
+    its first seconds, which the end of the first touches reaches only late in a slow link's stream: at the
+    end, they were reads of whole chunks (2-6 before the answer at 10 Mbit/s, BENCHMARKS.md "recent pages
+    first")."""
+    out: list[tuple[int, int]] = []
+    size = i = 0
+    while i < len(firsts) and size < head:
+        out.append(firsts[i])
+        size += firsts[i][1]
+        i += 1
+    rest, j, k, taken_rest, taken_recent = firsts[i:], 0, 0, 0, 0
+    while j < len(rest) or k < len(recent):
+        if k < len(recent) and (j == len(rest) or taken_recent <= taken_rest):
+            out.append(recent[k])
+            taken_recent += recent[k][1]
+            k += 1
+        else:
+            out.append(rest[j])
+            taken_rest += rest[j][1]
+            j += 1
+    return out
+
+
 def extents(ranges: list[tuple[int, int]], image_size: int) -> list[tuple[int, int]]:
     """``ranges`` sorted, page-aligned, within the image, and joined where they overlap or touch (only pages
     the guest read are packed: with the memory image's read-around off, each page fault is one page)."""
@@ -165,9 +191,10 @@ def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES
           part: int = PART_BYTES, recent_since: float | None = None, resumed: bool = True) -> list[bytes]:
     """The pack's part payloads for the memory image at ``memory`` (vulpes's file, read after the guest
     stopped), from this session's ``trace``: the pages the guest read first after its resume (none if it
-    booted cold, ``resumed`` false), first touches first, up to ``limit``; then its **recent pages**, those it
+    booted cold, ``resumed`` false), first touches first, up to ``limit``; and its **recent pages**, those it
     read from ``recent_since`` on (`RECENT_SECONDS` before the suspend stopped it, once its mapped pages were
-    dropped so that every touch faulted again), that are not among them, up to `RECENT_BYTES`. The first part
+    dropped so that every touch faulted again), that are not among them, up to `RECENT_BYTES`: after the first
+    part, the recent pages and the rest of the first touches take turns (`_interleaved`). The first part
     holds ``first`` bytes and the others ``part`` (the last part takes what is left once there are
     `resumepack.PARTS_MAX`); none if the trace recorded no memory reads. Each page is in one part only, and the
     first part carries the map of the others, so that a resume whose guest reaches a page before its part
@@ -180,7 +207,7 @@ def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES
         recent = [(offset, length) for offset, length in first_touches(trace, "memory", RECENT_BYTES + limit,
                                                                           since=recent_since)
                   if any(page not in seen for page in _pages(offset, length))]
-        touched += _within(recent, RECENT_BYTES)
+        touched = _interleaved(touched, _within(recent, RECENT_BYTES), first)
     for offset, length in touched:
         if size >= (first if len(groups) == 1 else part) and len(groups) < resumepack.PARTS_MAX:
             groups.append([])

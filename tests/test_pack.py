@@ -103,10 +103,11 @@ def test_each_page_is_in_one_part_and_the_first_part_maps_the_others(tmp_path: P
             assert bytes(data) == image[e.offset:e.offset + e.length]
 
 
-def test_recent_pages_follow_the_first_touches_and_alone_make_a_cold_boots_pack(tmp_path: Path,
-                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_recent_pages_join_the_first_touches_early_and_alone_make_a_cold_boots_pack(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pages read from ``recent_since`` on (after the suspend dropped the guest's mapped pages) that the
-    first touches lack come after them, within RECENT_BYTES; a session that booted cold packs only those."""
+    first touches lack, within RECENT_BYTES, take turns with the first touches after the first part; a
+    session that booted cold packs only those."""
     trace = tmp_path / "t.trace"
     trace.write_text("# vulpes-trace 3 disk.chunk_size=131072 memory.chunk_size=131072\n"
                      "1.0 memory 0 r server 8192 4096\n"             # after the resume
@@ -128,6 +129,7 @@ def test_recent_pages_follow_the_first_touches_and_alone_make_a_cold_boots_pack(
     assert offsets(resumed=False) == []                            # a cold boot without a window: none
     assert offsets(recent_since=9.0) == [8192, 0, 36864, 24576]
     assert offsets(recent_since=9.0, limit=4096) == [8192, 36864, 24576]
+    assert offsets(recent_since=9.0, limit=8192) == [8192, 36864, 0, 24576]   # after the first part, in turn
     assert offsets(recent_since=9.0, resumed=False) == [8192, 36864, 24576]
     monkeypatch.setattr(pack, "RECENT_BYTES", 8192)
     assert offsets(recent_since=9.0, resumed=False) == [8192, 36864]
