@@ -10,7 +10,7 @@ back from the memory image at suspend, are the next resume's best prediction of 
 as Firecracker's REAP records them (measured: 96 % of the pages the next guest touched in its first 10 s were
 among the first 2,048 of them). They are packed in touch order, each page in one part: a first part of
 `FIRST_PART_BYTES`, which crosses the link before QEMU loads the device state and maps the pages of all the
-others, then smaller parts of `PART_BYTES`, which follow while the guest runs (`load`); vulpes serves their
+others, then smaller parts of `PART_BYTES`, which follow while the guest runs (`Fetching`); vulpes serves their
 pages from RAM ahead of the chunks, and a guest fault on a page whose part is about to come waits for it.
 
 What a guest touched first after its resume misses what moved since: the pages its processes and the kernel
@@ -25,7 +25,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from parcels import resumepack, seal
@@ -54,7 +57,7 @@ PACK_BYTES = 8 << 20
 PACK_BYTES_MAX = 32 << 20
 #: A pack costs at most about this much of the link at the suspend that makes it (its upload: vulpes's peak
 #: rate is a lower bound of the link's, 4.4-11 MB/s at 100 Mbit/s), and may cost this much at a resume beyond
-#: its first `PACK_BYTES` (`load`): on a 10 Mbit/s link 32 MiB would be 8 s at both ends.
+#: its first `PACK_BYTES` (`Fetching`): on a 10 Mbit/s link 32 MiB would be 8 s at both ends.
 PACK_LINK_SECONDS = 1.5
 #: Plaintext per byte on the link (measured: 8 MiB sealed to 2.6-3.0 MB, 32 MiB to 9-12 MB).
 PACK_RATIO = 2.8
@@ -295,42 +298,86 @@ def worth_loading(state: ParcelState, manifest: Manifest) -> bool:
     return cover.cached < cover.chunks
 
 
-def load(remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys, vulpes: Vulpes,
-         names: list[str], *, keep: int | None = None, seconds: float = PACK_LINK_SECONDS) -> int:
-    """Fetch the pack parts ``names`` in one request that streams them in order (`Remote.get_blobs`), check each
-    as it arrives and hand it to vulpes; returns their plaintext bytes.
+class Fetching:
+    """The pack parts ``names`` fetched in one request that streams them in order (`Remote.get_blobs`), on a
+    thread of its own from the moment this is made, each checked as it arrives and kept until it is taken
+    (iterate: (name, payload, plaintext of memory in it, bytes that crossed the link), in order, until the
+    parts end). A resume makes it as soon as the version's metadata is here: the first part then crosses the
+    link while vulpes starts, and the later ones follow on the same connection without a round trip.
 
-    With ``keep``, once that much plaintext is here the loading stops where the parts still to come would take
-    more than ``seconds`` at the pace the parts came so far: a pack made on a fast link would hold a
-    slow one's guest misses back (its parts cross while the guest waits for chunks) for pages the guest touches
+    With ``keep``, once that much plaintext has come the fetch stops where the parts still to come would take
+    more than ``seconds`` at the pace the parts came so far: a pack made on a fast link would hold a slow
+    one's guest misses back (its parts cross while the guest waits for chunks) for pages the guest touches
     far later, if at all.
 
-    A part that cannot be had or is damaged, or an answer that breaks off before it, ends the loading with a
-    warning: the parts before it stay loaded, and the resume fetches the other chunks as it would without a
-    pack."""
-    used = loaded = opened = 0
-    started = time.monotonic()
-    size = manifest.images["memory"].size
-    try:
-        with contextlib.closing(remote.get_blobs(state.parcel, manifest.version, names)) as arriving:
-            for name, sealed in arriving:
-                payload = open_blob(parcel_keys.parcel_key, sealed, manifest, name)
-                part = sum(extent.length for extent, _ in resumepack.decode(payload, size))
-                vulpes.preload("memory", payload, part=resumepack.part_index(name))
-                used += part
-                loaded += 1
-                opened += len(payload)
-                log.info("resume pack %s: %d bytes of memory served before their chunks (%d bytes crossed the "
-                         "link)", name, part, len(sealed))
-                if keep is not None and used >= keep and loaded < len(names):
-                    rest = sum(manifest.blobs[n].size for n in names[loaded:])       # payloads, as `opened`
-                    pace = opened / max(time.monotonic() - started, 1e-3)
-                    if rest > pace * seconds:
-                        log.info("resume pack: its last %d parts (%d bytes of payload) are not fetched: at the pace "
-                                 "of the others they would take %.1f s", len(names) - loaded, rest, rest / pace)
+    A part that cannot be had or is damaged, or an answer that breaks off before it, ends the parts with a
+    warning: those before it stay good, and the resume fetches the other chunks as it would without a pack.
+    ``remote`` is the thread's alone; it is closed at the end if ``close_remote``."""
+
+    def __init__(self, remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys,
+                 names: list[str], *, keep: int | None = None, seconds: float = PACK_LINK_SECONDS,
+                 close_remote: bool = False) -> None:
+        self._remote, self._state, self._manifest, self._keys = remote, state, manifest, parcel_keys
+        self._names, self._keep, self._seconds, self._close_remote = names, keep, seconds, close_remote
+        self._queue: queue.SimpleQueue[tuple[str, bytes, int, int] | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="resume-pack-fetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        used = loaded = opened = 0
+        started = time.monotonic()
+        names, manifest = self._names, self._manifest
+        size = manifest.images["memory"].size
+        try:
+            with contextlib.closing(self._remote.get_blobs(self._state.parcel, manifest.version, names)) as arriving:
+                for name, sealed in arriving:
+                    if self._stop.is_set():
                         break
-    except (IsrError, ParcelError, OSError) as exc:
-        log.warning("the resume pack of version %d is not used from %s on: %s", manifest.version,
-                    names[min(loaded, len(names) - 1)], exc)
+                    payload = open_blob(self._keys.parcel_key, sealed, manifest, name)
+                    part = sum(extent.length for extent, _ in resumepack.decode(payload, size))
+                    self._queue.put((name, payload, part, len(sealed)))
+                    used += part
+                    loaded += 1
+                    opened += len(payload)
+                    if self._keep is not None and used >= self._keep and loaded < len(names):
+                        rest = sum(manifest.blobs[n].size for n in names[loaded:])       # payloads, as `opened`
+                        pace = opened / max(time.monotonic() - started, 1e-3)
+                        if rest > pace * self._seconds:
+                            log.info("resume pack: its last %d parts (%d bytes of payload) are not fetched: at the "
+                                     "pace of the others they would take %.1f s", len(names) - loaded, rest,
+                                     rest / pace)
+                            break
+        except (IsrError, ParcelError, OSError) as exc:
+            log.warning("the resume pack of version %d is not used from %s on: %s", manifest.version,
+                        names[min(loaded, len(names) - 1)], exc)
+        finally:
+            if self._close_remote:
+                self._remote.close()
+            self._queue.put(None)
+
+    def __iter__(self) -> Iterator[tuple[str, bytes, int, int]]:
+        while (item := self._queue.get()) is not None:
+            yield item
+        self._queue.put(None)                   # the end, for the next iteration too
+
+    def close(self) -> None:
+        """Stop fetching at the next part (those taken stay good)."""
+        self._stop.set()
+
+
+def hand_over(parts: Iterator[tuple[str, bytes, int, int]], vulpes: Vulpes) -> int:
+    """The parts (from a `Fetching`) to vulpes, in order, until they end; returns their plaintext of memory. A
+    part vulpes refuses ends it with a warning."""
+    used = 0
+    for name, payload, part, crossed in parts:
+        try:
+            vulpes.preload("memory", payload, part=resumepack.part_index(name))
+        except IsrError as exc:
+            log.warning("the resume pack is not used from %s on: %s", name, exc)
+            break
+        used += part
+        log.info("resume pack %s: %d bytes of memory served before their chunks (%d bytes crossed the link)",
+                 name, part, crossed)
     return used
 

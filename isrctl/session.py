@@ -39,6 +39,7 @@ import concurrent.futures
 import contextlib
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import queue
@@ -122,6 +123,7 @@ class Session:
         self._recent_since: float | None = None      # when the suspend began to watch the recent pages
         #: Set once the resume pack's parts are all with vulpes (at once if there are none to stream).
         self._pack_loaded = threading.Event()
+        self._pack_fetching: pack.Fetching | None = None     # the resume pack's parts on their way
         self._pack_loaded.set()
         self.vnc_text = "none"
         self._vnc: str | None = None
@@ -252,6 +254,12 @@ class Session:
         if manifest.vm.firmware == "uefi":
             self._load_nvram(manifest, change)
 
+        self.resumed = devstate is not None
+        if self.resumed and change is None and self.client is not None and pack.worth_loading(self.state, manifest):
+            # The pack's parts cross the link from now on, in one answer: the first while vulpes starts.
+            self._pack_fetching = pack.Fetching(self.client.new_remote(), self.state, manifest, self.keys,
+                                                pack.parts(manifest), keep=pack.PACK_BYTES, close_remote=True)
+
         # From here on vulpes may change the keyrings: a crash must read as "damaged", not as the old state.
         self.state.save_local_change(LocalChange(state=RUNNING, base_suspended=manifest.suspended))
         self._running_written = True
@@ -259,14 +267,14 @@ class Session:
         t = self._phase("vulpes", t)
         self._apply_policy_before(manifest, change)
         t = self._phase("hoard", t)
-        self.resumed = devstate is not None
         launching = None
-        if self.resumed and change is None and self.client is not None and pack.worth_loading(self.state, manifest):
-            # QEMU starts, paused and waiting for the state, while the pack's first part crosses the link: its
-            # start (0.2-0.3 s) touches no guest RAM, and the state loads only once the part is in vulpes.
+        if self._pack_fetching is not None:
+            # QEMU starts, paused and waiting for the state, while the pack's first part is handed to vulpes (or
+            # still crosses the link): its start (0.2-0.3 s) touches no guest RAM, and the state loads only
+            # once the part is in vulpes.
             launching = background.start("qemu-launch", self._launch, manifest, boot, True)
             try:
-                self._load_resume_pack(manifest)
+                self._load_resume_pack(self._pack_fetching, len(pack.parts(manifest)))
             finally:
                 with contextlib.suppress(Exception):
                     launching.exception()        # never two starts at once: _abort_start() kills what this made
@@ -609,6 +617,8 @@ class Session:
 
     def _abort_start(self) -> None:
         """Undo a failed start: stop QEMU and vulpes; restore the local state record if the guest never ran."""
+        if self._pack_fetching is not None:
+            self._pack_fetching.close()
         with contextlib.suppress(Exception):
             if self.vm is not None:
                 self.vm.kill()
@@ -1005,26 +1015,26 @@ class Session:
         except RemoteError:
             return False
 
-    def _load_resume_pack(self, manifest: Manifest) -> None:
-        """The version's resume pack to vulpes: its first part now, the others in the background while the guest
-        runs on the first (`isrctl.pack`)."""
-        assert self.client is not None and self.vulpes is not None
-        names = pack.parts(manifest)
-        used = pack.load(self.client.remote, self.state, manifest, self.keys, self.vulpes, names[:1])
+    def _load_resume_pack(self, fetching: pack.Fetching, count: int) -> None:
+        """The resume pack's ``count`` parts, as ``fetching`` brings them, to vulpes: the first now, the others in
+        the background while the guest runs on the first (`isrctl.pack`)."""
+        assert self.vulpes is not None
+        parts = iter(fetching)
+        used = pack.hand_over(itertools.islice(parts, 1), self.vulpes)
         if not used:
+            fetching.close()
             return
         self.reporter.say(f"  resume pack: {used / 2**20:.1f} MiB of memory ready before its chunks"
-                          + (f", {len(names) - 1} more parts to follow" if len(names) > 1 else ""))
-        if len(names) > 1:
-            client, vulpes = self.client, self.vulpes
+                          + (f", {count - 1} more parts to follow" if count > 1 else ""))
+        if count > 1:
+            vulpes = self.vulpes
             self._pack_loaded.clear()
 
             def rest() -> None:
                 try:
-                    with client.new_remote() as remote:
-                        pack.load(remote, self.state, manifest, self.keys, vulpes, names[1:],
-                                  keep=max(0, pack.PACK_BYTES - used))
+                    pack.hand_over(parts, vulpes)
                 finally:
+                    fetching.close()
                     with contextlib.suppress(IsrError):
                         vulpes.preload_end("memory")     # no read waits for a part that will not come
                     self._pack_loaded.set()

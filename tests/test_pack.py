@@ -137,7 +137,7 @@ def test_recent_pages_join_the_first_touches_early_and_alone_make_a_cold_boots_p
 
 
 class PreloadRecorder:
-    """Stands in for `isrctl.vulpes.Vulpes` where `pack.load` hands it the parts: records what it was given."""
+    """Stands in for `isrctl.vulpes.Vulpes` where `pack.hand_over` hands it the parts: records what it was given."""
 
     def __init__(self) -> None:
         self.payloads: list[bytes] = []
@@ -161,22 +161,23 @@ def pack_manifest(parcel: str, version: int, image_size: int, parts: dict[str, b
 
 def load_recorded(remote: Remote, parcel: str, manifest: Manifest, key: bytes, names: list[str],
                   caplog: pytest.LogCaptureFixture, **kwargs: Any) -> tuple[int, PreloadRecorder, list[str]]:
-    """`pack.load` of ``names`` into a `PreloadRecorder`, with its log captured afresh: what it returned, the
-    recorder, and the paths of the requests it made."""
+    """`pack.Fetching` of ``names``, handed over (`pack.hand_over`) to a `PreloadRecorder`, with its log
+    captured afresh: what it returned, the recorder, and the paths of the requests it made."""
     vulpes = PreloadRecorder()
     requests: list[str] = []
     remote.client.event_hooks["request"] = [lambda request: requests.append(request.url.path)]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="isrctl.pack"):
-        used = pack.load(remote, SimpleNamespace(parcel=parcel), manifest,  # type: ignore[arg-type]
-                         SimpleNamespace(parcel_key=key), vulpes, names, **kwargs)  # type: ignore[arg-type]
+        fetching = pack.Fetching(remote, SimpleNamespace(parcel=parcel), manifest,  # type: ignore[arg-type]
+                                 SimpleNamespace(parcel_key=key), names, **kwargs)  # type: ignore[arg-type]
+        used = pack.hand_over(iter(fetching), vulpes)  # type: ignore[arg-type]
     return used, vulpes, requests
 
 
 @pytest.mark.parametrize("server_env", ["sqlite-directory"], indirect=True)
 def test_load_takes_the_parts_from_one_bundle_until_one_is_damaged(server_env: ServerEnv,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    """`pack.load` fetches its parts from a real server in one bundle and hands each to vulpes in order; a
+    """`pack.Fetching` fetches its parts from a real server in one bundle, handed to vulpes in order; a
     damaged part ends the loading with one warning, and the parts before it stay loaded."""
     parcel = server_env.new_parcel("alice")
     key = os.urandom(32)
@@ -210,7 +211,7 @@ def test_load_takes_the_parts_from_one_bundle_until_one_is_damaged(server_env: S
 @pytest.mark.parametrize("server_env", ["sqlite-directory"], indirect=True)
 def test_load_with_keep_stops_where_the_rest_would_take_too_long(server_env: ServerEnv,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    """Past ``keep`` bytes of plaintext, `pack.load` stops where the parts still to come would take longer than
+    """Past ``keep`` bytes of plaintext, `pack.Fetching` stops where the parts still to come would take longer than
     ``seconds`` at the pace the others came (none here: it stops at once); with time to spare it takes all.
     It asks for them in one streamed answer."""
     parcel = server_env.new_parcel("alice")
