@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from isrprogress import NullReporter, Reporter
 from parcels import crypto, firmware, resumepack, seal
+from parcels.compress import StreamReader
 from parcels.errors import ParcelError
 from parcels.keyring import HEADER_SIZE, RECORD_SIZE, decode_stream
 from parcels.manifest import (
@@ -265,8 +266,9 @@ def stage(client: Client, state: ParcelState, parcel_keys: ParcelKeys) -> Staged
             sealed[DEVSTATE_FILES] = without_firmware
         sizes = [int(part["size"]) for part in change.resume_pack]
         local = [state.local_pack_path(index).read_bytes() for index in range(len(sizes))]
+        stream = StreamReader()                  # the parts sealed as one stream, read in their order
         for index, pack_sealed in enumerate(pack.for_transfer(parcel_keys.parcel_key, local, sizes)):
-            seal.open_sealed(parcel_keys.parcel_key, pack_sealed, seal.KIND_DEVSTATE, sizes[index])
+            seal.open_sealed(parcel_keys.parcel_key, pack_sealed, seal.KIND_DEVSTATE, sizes[index], stream=stream)
             sealed[resumepack.part_name(index)] = pack_sealed
     if change.nvram:
         sealed[firmware.NVRAM_BLOB] = state.local_nvram_path().read_bytes()

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from parcels import resumepack, seal
+from parcels.compress import StreamReader
 from parcels.errors import ParcelError
 from parcels.keyring import decode_stream
 from parcels.manifest import Manifest, open_blob
@@ -82,8 +83,10 @@ RECENT_SECONDS = 2.5
 #: pages in a second, most of them among its first touches).
 RECENT_BYTES = 4 << 20
 #: zstd's level for the parts a resume fetches first (`for_transfer`). Measured on a hop-2 test guest's 8 MiB
-#: pack (29 parts, BENCHMARKS.md "the device state without its firmware"): 2.97 MB at level 3 in 0.02 s, 2.86 at
-#: 9, 2.79 at 16, 2.63 at 18 in 0.7 s, 2.62 at 19 in 1.1 s: 0.27 s less at 10 Mbit/s, 2.7 s at 1 Mbit/s.
+#: pack (29 parts, BENCHMARKS.md "the device state without its firmware"), each part alone: 2.97 MB at level 3
+#: in 0.02 s, 2.86 at 9, 2.79 at 16, 2.63 at 18 in 0.7 s, 2.62 at 19 in 1.1 s. As one stream (another 8.7 MB
+#: pack of 31 parts, 2.95 MB each alone at level 3, 2.61 at 18): 2.88 MB at level 3, 2.62 at 9, 2.58 at 15,
+#: 2.39 at 18 in 1.3 s (BENCHMARKS.md "recent pages first").
 TRANSFER_LEVEL = 18
 _PAGE = 4096
 
@@ -263,20 +266,21 @@ def seal_pack(parcel_keys: ParcelKeys, payload: bytes) -> bytes:
 
 def for_transfer(parcel_key: bytes, sealed: list[bytes], sizes: list[int]) -> list[bytes]:
     """The parts as a checkin uploads them: those that hold the first `PACK_BYTES` of plaintext (what every
-    resume loads, on a slow link the only ones) sealed again at `TRANSFER_LEVEL` where that is smaller, the
-    others as they are.
+    resume loads, on a slow link the only ones) sealed again as one zstd stream at `TRANSFER_LEVEL`
+    (`seal.seal_stream`: each part compresses against those before it, as a resume reads them) if that is
+    smaller, the others as they are.
     The suspend sealed them fast, before the state was safe; this runs while vulpes uploads the chunks.
     ``sizes``: each part's payload length (its manifest size). Raises as `seal.open_sealed`."""
-    out, plaintext = [], 0
-    for blob, size in zip(sealed, sizes):
-        if plaintext < PACK_BYTES:
-            payload = seal.open_sealed(parcel_key, blob, seal.KIND_DEVSTATE, size)
-            smaller = seal.seal(parcel_key, seal.KIND_DEVSTATE, payload, level=TRANSFER_LEVEL)
-            del payload
-            blob = smaller if len(smaller) < len(blob) else blob
-        out.append(blob)
-        plaintext += size
-    return out
+    count, plaintext = 0, 0
+    while count < len(sealed) and plaintext < PACK_BYTES:
+        plaintext += sizes[count]
+        count += 1
+    payloads = [seal.open_sealed(parcel_key, blob, seal.KIND_DEVSTATE, size)
+                for blob, size in zip(sealed[:count], sizes[:count])]
+    chain = seal.seal_stream(parcel_key, seal.KIND_DEVSTATE, payloads, level=TRANSFER_LEVEL) if payloads else []
+    del payloads
+    first = chain if sum(map(len, chain)) < sum(map(len, sealed[:count])) else sealed[:count]
+    return first + sealed[count:]
 
 
 def parts(manifest: Manifest) -> list[str]:
@@ -326,6 +330,7 @@ class Fetching:
 
     def _run(self) -> None:
         used = loaded = opened = 0
+        stream = StreamReader()                  # the parts sealed as one zstd stream (`for_transfer`)
         started = time.monotonic()
         names, manifest = self._names, self._manifest
         size = manifest.images["memory"].size
@@ -334,7 +339,7 @@ class Fetching:
                 for name, sealed in arriving:
                     if self._stop.is_set():
                         break
-                    payload = open_blob(self._keys.parcel_key, sealed, manifest, name)
+                    payload = open_blob(self._keys.parcel_key, sealed, manifest, name, stream=stream)
                     part = sum(extent.length for extent, _ in resumepack.decode(payload, size))
                     self._queue.put((name, payload, part, len(sealed)))
                     used += part

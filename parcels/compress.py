@@ -3,6 +3,10 @@
 A sealed blob may be compressed against a dictionary (its reader must have the same bytes): raw content, as
 zstd's "raw content dictionaries" take any bytes and let the frame copy from them as from earlier input.
 
+A sealed blob may also be one piece of a zstd frame that runs across several blobs read in order (`StreamWriter`,
+`StreamReader`): each piece ends at a block boundary, so it decodes whole once the pieces before it have, and
+later pieces copy from the earlier pieces' output as from earlier input in one frame.
+
 Decompression is where untrusted lengths meet memory, so `decompress` is told the exact output length
 and never produces more: a frame that would expand past it, stop short of it, or carry bytes after its
 end is refused before any output is returned.
@@ -14,6 +18,8 @@ import zstandard
 from parcels.errors import FormatError
 
 DEFAULT_LEVEL = 3
+#: The largest window a stream's reader accepts (zstd level 19 on large input uses 8 MiB).
+STREAM_WINDOW_MAX = 1 << 25
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # A zstd block header is 3 bytes and an RLE block adds 1 byte but can stand for up to 128 KiB, so feeding
 # this many input bytes at a time caps how far past the limit one step can go at 16 blocks (2 MiB).
@@ -93,3 +99,62 @@ def _decompress_streaming(frame: bytes, length: int, dictionary: Bytes | None) -
                 raise FormatError("trailing data after the zstd frame")
             return bytes(out)
     raise FormatError("zstd frame is truncated")
+
+
+class StreamWriter:
+    """One zstd frame written in pieces (`piece`), each ending at a block boundary; the last ends the frame."""
+
+    def __init__(self, level: int = DEFAULT_LEVEL) -> None:
+        try:
+            self._compressor = zstandard.ZstdCompressor(level=level, write_content_size=False).compressobj()
+        except zstandard.ZstdError as exc:
+            raise FormatError(f"zstd refused to compress: {exc}") from None
+        self._ended = False
+
+    def piece(self, data: Bytes, *, last: bool = False) -> bytes:
+        """The frame's bytes for ``data``: all of them, so that a reader with the pieces before decodes it whole."""
+        if self._ended:
+            raise FormatError("the zstd stream has ended")
+        self._ended = last
+        out = self._compressor.compress(bytes(data))
+        return out + self._compressor.flush(zstandard.COMPRESSOBJ_FLUSH_FINISH if last
+                                            else zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+
+
+class StreamReader:
+    """Decodes the pieces of one zstd frame (a `StreamWriter`'s), in order, each to exactly its length.
+
+    Guarantees as `decompress`: a piece that would expand past its length, stop short of it (the piece ends
+    inside a block, or the wrong piece came), or follow the frame's end is refused, and so is every piece
+    after a refused one. The frame may use a window of at most `STREAM_WINDOW_MAX`."""
+
+    def __init__(self) -> None:
+        self._decoder = zstandard.ZstdDecompressor(max_window_size=STREAM_WINDOW_MAX).decompressobj()
+        self._started = self._ended = self._failed = False
+
+    def piece(self, data: Bytes, length: int) -> bytes:
+        if self._failed:
+            raise FormatError("the zstd stream broke off at an earlier piece")
+        if self._ended:
+            raise FormatError("a piece after the end of the zstd stream")
+        self._failed = True                       # until this piece has decoded whole
+        data = bytes(data)
+        if not self._started and data[:4] != ZSTD_MAGIC:
+            raise FormatError("compressed data does not start a zstd frame")
+        self._started = True
+        out = bytearray()
+        try:
+            for pos in range(0, len(data), _FEED_SIZE):
+                out += self._decoder.decompress(data[pos:pos + _FEED_SIZE])
+                if len(out) > length:
+                    raise FormatError(f"zstd stream piece decompresses to more than {length} bytes")
+                if self._decoder.eof:
+                    if self._decoder.unused_data or pos + _FEED_SIZE < len(data):
+                        raise FormatError("trailing data after the zstd frame")
+                    self._ended = True
+        except zstandard.ZstdError as exc:
+            raise FormatError(f"bad zstd stream: {exc}") from None
+        if len(out) != length:
+            raise FormatError(f"zstd stream piece decompressed to {len(out)} bytes, expected {length}")
+        self._failed = False
+        return bytes(out)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parcels import seal
+from parcels.compress import StreamReader
 from parcels.chunk import chunk_count, valid_chunk_size
 from parcels.errors import FormatError, IntegrityError
 from parcels.crypto import sha256
@@ -334,16 +335,16 @@ def open_keyring(parcel_key: bytes, blob: bytes, manifest: Manifest, image: str)
 
 
 def open_blob(parcel_key: bytes, blob: bytes, manifest: Manifest, name: str, *,
-              files: seal.FileLookup | None = None) -> bytes:
+              files: seal.FileLookup | None = None, stream: StreamReader | None = None) -> bytes:
     """Open the sealed blob `name` of this version and check it against the manifest's kind, size and
-    SHA-256 (``files``: as `seal.open_sealed` takes them). Raises FormatError if the manifest names no such
+    SHA-256 (``files``, ``stream``: as `seal.open_sealed` takes them). Raises FormatError if the manifest names no such
     blob or the blob is malformed, IntegrityError for an authentication or digest mismatch,
     MissingFilesError for a blob compressed against files ``files`` does not give."""
     info = manifest.blobs.get(name)
     if info is None:
         raise FormatError(f"the manifest names no blob {name!r}")
     payload = seal.open_sealed(parcel_key, blob, info.kind, info.size,
-                               what=f"blob {name} of version {manifest.version}", files=files)
+                               what=f"blob {name} of version {manifest.version}", files=files, stream=stream)
     if len(payload) != info.size or sha256(payload) != info.sha256:
         raise IntegrityError(f"blob {name} does not match the digest in the manifest")
     return payload

@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from parcels import crypto, envelope, seal
+from parcels import crypto, envelope, resumepack, seal
 from parcels import firmware as firmware_files
 from parcels import devices as devices_mod
+from parcels.compress import StreamReader
 from parcels.chunk import DEFAULT_CHUNK_SIZE, chunk_length, decode_chunk, encode_chunk, is_zero, valid_chunk_size
 from parcels.errors import FormatError, ImageError, MissingFilesError, NotFoundError, ParcelError
 from parcels.image import SparseImageWriter, check_disk, image_size, raw_image, read_chunks
@@ -308,6 +309,13 @@ def extract_image(store: DirStore, parcel: uuid.UUID, version: int | None, image
     return manifest
 
 
+def _blob_order(name: str) -> tuple[int, int, str]:
+    """Blobs by name, a resume pack's parts last and in their order (a stream across them is read in order)."""
+    if resumepack.is_part(name):
+        return 1, 0 if name == resumepack.BLOB_NAME else int(name.rsplit(".", 1)[1]), name
+    return 0, 0, name
+
+
 def verify_version(store: DirStore, parcel: uuid.UUID, version: int, keys: ParcelKeys,
                    progress: Progress | None = None) -> list[str]:
     """Check every byte of a version: manifest, keyrings, blobs and every chunk object fully decoded.
@@ -322,9 +330,10 @@ def verify_version(store: DirStore, parcel: uuid.UUID, version: int, keys: Parce
     contents = open_version(store, parcel, version, keys)
     manifest = contents.manifest
     problems = []
-    for name in manifest.blobs:
+    stream = StreamReader()                      # a resume pack's parts sealed as one stream, read in order
+    for name in sorted(manifest.blobs, key=_blob_order):
         try:
-            read_blob(store, parcel, manifest, name, keys)
+            open_blob(keys.parcel_key, store.get_blob(parcel, manifest.version, name), manifest, name, stream=stream)
         except MissingFilesError:
             if name != DEVSTATE_FILES or manifest.blobs[name] != manifest.blobs.get(DEVSTATE):
                 problems.append(f"blob {name}: compressed against files, but it does not stand in for "

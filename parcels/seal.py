@@ -24,6 +24,8 @@ COMPRESSION_NONE = 0
 COMPRESSION_ZSTD = 1
 #: zstd against files the reader is expected to have (its QEMU's firmware), named in the body; device state only.
 COMPRESSION_ZSTD_FILES = 2
+#: One piece of a zstd frame that runs across blobs read in order (a resume pack's parts); device state kind only.
+COMPRESSION_ZSTD_STREAM = 3
 #: At most this many files, each named by `FILE_NAME`, of at most `FILES_MAX_BYTES` together.
 FILES_MAX = 8
 FILES_MAX_BYTES = 64 << 20
@@ -75,8 +77,27 @@ def seal(parcel_key: Bytes, kind: int, payload: Bytes, compress: bool = True, *,
         packed = zstd.compress(payload, level)
         if len(packed) < len(payload):
             compression, body = COMPRESSION_ZSTD, packed
-    header = HEADER.pack(MAGIC, VERSION, kind, compression, 0, salt, len(payload))
+    return _sealed(parcel_key, kind, compression, salt, len(payload), body)
+
+
+def _sealed(parcel_key: Bytes, kind: int, compression: int, salt: bytes, length: int, body: bytes) -> bytes:
+    header = HEADER.pack(MAGIC, VERSION, kind, compression, 0, salt, length)
     return header + crypto.aes_gcm_encrypt(_blob_key(parcel_key, salt), body, header)
+
+
+def seal_stream(parcel_key: Bytes, kind: int, payloads: Sequence[Bytes], *, level: int = zstd.DEFAULT_LEVEL) \
+        -> list[bytes]:
+    """Seal ``payloads`` as blobs whose bodies are the pieces of one zstd frame (compression 3; device state
+    kind only), each with a fresh salt: a reader opens them in this order (`open_sealed` with one
+    `zstd.StreamReader`), and each later one compresses against all before it. Raises as `seal`."""
+    if kind != KIND_DEVSTATE:
+        raise FormatError("only device state is compressed as a stream across blobs")
+    if any(len(payload) > MAX_PAYLOAD for payload in payloads):
+        raise FormatError(f"a payload exceeds the {MAX_PAYLOAD}-byte limit")
+    writer = zstd.StreamWriter(level)
+    return [_sealed(parcel_key, kind, COMPRESSION_ZSTD_STREAM, crypto.random_bytes(SALT_SIZE), len(payload),
+                    writer.piece(payload, last=index == len(payloads) - 1))
+            for index, payload in enumerate(payloads)]
 
 
 def _files_body(kind: int, payload: Bytes, files: Sequence[tuple[str, Bytes]]) -> bytes:
@@ -127,7 +148,7 @@ def _parse_files(body: bytes, what: str) -> tuple[list[tuple[str, int, bytes]], 
 
 
 def open_sealed(parcel_key: Bytes, blob: Bytes, kind: int, max_length: int, *, what: str = "sealed blob",
-                files: FileLookup | None = None) -> bytes:
+                files: FileLookup | None = None, stream: zstd.StreamReader | None = None) -> bytes:
     """Check a sealed blob and return its payload; ``what`` names it in every error ("manifest of version 3").
 
     Guarantees: the blob was sealed under `parcel_key` as `kind`, is unaltered, and its payload is at
@@ -136,9 +157,17 @@ def open_sealed(parcel_key: Bytes, blob: Bytes, kind: int, max_length: int, *, w
     decode to the recorded length; IntegrityError when AES-GCM authentication fails (an altered byte or
     another parcel key). A blob compressed against files (compression 2) asks ``files`` for each it names and
     raises MissingFilesError if one is not there (no ``files``: none is); with files of the right size and
-    digest, its payload is what was sealed.
+    digest, its payload is what was sealed. A piece of a stream (compression 3) needs ``stream``, the reader
+    that decoded the blobs before it in their order (FormatError without one, or when it broke off).
     """
     compression, body, length = _open(parcel_key, blob, kind, max_length, what)
+    if compression == COMPRESSION_ZSTD_STREAM:
+        if stream is None:
+            raise FormatError(f"{what} continues a zstd stream: it opens only after the blobs before it")
+        try:
+            return stream.piece(body, length)
+        except FormatError as exc:
+            raise FormatError(f"{what}: {exc}") from None
     if compression == COMPRESSION_NONE:
         if len(body) != length:
             raise FormatError(f"{what}: body is {len(body)} bytes, header says {length}")
@@ -171,8 +200,8 @@ def _open(parcel_key: Bytes, blob: Bytes, kind: int, max_length: int, what: str)
         raise FormatError(f"{what} has unknown format version {version}")
     if blob_kind != kind:
         raise FormatError(f"{what} is of kind {blob_kind}, expected {kind}")
-    if compression not in (COMPRESSION_NONE, COMPRESSION_ZSTD, COMPRESSION_ZSTD_FILES) \
-            or (compression == COMPRESSION_ZSTD_FILES and blob_kind != KIND_DEVSTATE):
+    if compression not in (COMPRESSION_NONE, COMPRESSION_ZSTD, COMPRESSION_ZSTD_FILES, COMPRESSION_ZSTD_STREAM) \
+            or (compression in (COMPRESSION_ZSTD_FILES, COMPRESSION_ZSTD_STREAM) and blob_kind != KIND_DEVSTATE):
         raise FormatError(f"{what} has unknown compression {compression}")
     if reserved != 0:
         raise FormatError(f"{what} has a nonzero reserved byte")

@@ -259,6 +259,47 @@ def test_a_malformed_file_list_is_refused(body: bytes, why: str) -> None:
         seal.open_sealed(PK_BLOB, boot, seal.KIND_BOOT, 100)
 
 
+def test_blobs_sealed_as_one_stream_open_in_their_order_only() -> None:
+    """Compression 3: later pieces copy from the earlier ones (a pack's parts repeat one another's pages), so
+    the chain is smaller than the blobs sealed alone; each opens with the reader that opened the ones before
+    it, and not alone, out of order, twice or after a damaged one."""
+    rng = random.Random(3)
+    pages = [rng.randbytes(4096) for _ in range(16)]
+    payloads = [b"".join(rng.choice(pages) for _ in range(24)) for _ in range(4)]
+    chain = seal.seal_stream(PK, seal.KIND_DEVSTATE, payloads, level=9)
+    assert [blob[6] for blob in chain] == [seal.COMPRESSION_ZSTD_STREAM] * 4
+    alone = [seal.seal(PK, seal.KIND_DEVSTATE, payload, level=9) for payload in payloads]
+    assert sum(map(len, chain[1:])) < sum(map(len, alone[1:])) // 4
+    reader = compress.StreamReader()
+    assert [seal.open_sealed(PK, blob, seal.KIND_DEVSTATE, len(p), stream=reader)
+            for blob, p in zip(chain, payloads)] == payloads
+    with pytest.raises(FormatError, match="after the end"):
+        seal.open_sealed(PK, chain[3], seal.KIND_DEVSTATE, len(payloads[3]), stream=reader)
+    with pytest.raises(FormatError, match="continues a zstd stream"):
+        seal.open_sealed(PK, chain[0], seal.KIND_DEVSTATE, len(payloads[0]))
+    with pytest.raises(FormatError, match="does not start a zstd frame"):
+        seal.open_sealed(PK, chain[1], seal.KIND_DEVSTATE, len(payloads[1]), stream=compress.StreamReader())
+    reader = compress.StreamReader()
+    seal.open_sealed(PK, chain[0], seal.KIND_DEVSTATE, len(payloads[0]), stream=reader)
+    with pytest.raises(FormatError):                                  # part 2 before part 1
+        seal.open_sealed(PK, chain[2], seal.KIND_DEVSTATE, len(payloads[2]), stream=reader)
+    with pytest.raises(FormatError, match="broke off"):
+        seal.open_sealed(PK, chain[1], seal.KIND_DEVSTATE, len(payloads[1]), stream=reader)
+    damaged = bytearray(chain[1])
+    damaged[60] ^= 1
+    reader = compress.StreamReader()
+    seal.open_sealed(PK, chain[0], seal.KIND_DEVSTATE, len(payloads[0]), stream=reader)
+    with pytest.raises(IntegrityError):
+        seal.open_sealed(PK, bytes(damaged), seal.KIND_DEVSTATE, len(payloads[1]), stream=reader)
+    with pytest.raises(FormatError, match="only device state"):
+        seal.seal_stream(PK, seal.KIND_BOOT, payloads)
+    from parcels.testvectors.generate import PK_BLOB, blob_raw
+    boot = blob_raw(compress.compress(b"kernel"), kind=seal.KIND_BOOT, length=6,
+                    compression=seal.COMPRESSION_ZSTD_STREAM)
+    with pytest.raises(FormatError, match="unknown compression 3"):
+        seal.open_sealed(PK_BLOB, boot, seal.KIND_BOOT, 100, stream=compress.StreamReader())
+
+
 def sample_manifest(version: int = 1, **changes: Any) -> Manifest:
     disk_chunks = 3
     m = Manifest(

@@ -163,6 +163,10 @@ def test_resume_pack_serves_the_next_fresh_site(isr_env: IsrEnv, nets: list[NetS
         firmware = seal.files_named(keys.parcel_key, without, seal.KIND_DEVSTATE)
         print(f"device state: {len(whole)} bytes sealed, {len(without)} against {firmware}")
         assert firmware and 5 * len(without) < len(whole), (len(without), len(whole), firmware)
+        # The pack's parts crossed as one zstd stream (a resume reads them in order), and the version checks.
+        streamed = [stored_blob(isr_env, parcel, 2, name)[6] for name in pack.parts(manifest)]
+        assert streamed and set(streamed) == {seal.COMPRESSION_ZSTD_STREAM}, streamed
+        assert parcel_ops.verify_version(DirStore(isr_env.store), uuid.UUID(parcel.id), 2, keys) == []
 
         out = b.resume(parcel, "--policy", "demand").stdout
         assert "resume pack: " in out, out

@@ -17,6 +17,7 @@ import pytest
 from isrctl import pack
 from isrctl.remote import Remote
 from parcels import resumepack, seal
+from parcels.compress import StreamReader
 from parcels.crypto import sha256
 from parcels.manifest import BlobInfo, ImageInfo, Manifest
 from tests.server_fixtures import ServerEnv, server_env  # noqa: F401
@@ -247,10 +248,11 @@ def test_limit_follows_the_link_within_bounds() -> None:
     assert pack.PACK_BYTES < middle < pack.PACK_BYTES_MAX and middle % 4096 == 0
 
 
-def test_the_parts_a_resume_loads_first_cross_the_link_sealed_at_a_higher_level() -> None:
-    """`pack.for_transfer`: the parts holding the first PACK_BYTES are sealed again at TRANSFER_LEVEL (same
-    payload, fewer bytes: memory pages compress better with a larger search); the later ones are left as the
-    suspend sealed them."""
+def test_the_parts_a_resume_loads_first_cross_the_link_as_one_stream() -> None:
+    """`pack.for_transfer`: the parts holding the first PACK_BYTES are sealed again as one zstd stream at
+    TRANSFER_LEVEL (same payloads, fewer bytes: each part compresses against those before it), which a reader
+    opens in order; the later ones are left as the suspend sealed them, and so are all when the stream would
+    not be smaller."""
     key = os.urandom(32)
     rng = random.Random(7)
     pages = [rng.randbytes(4096) for _ in range(64)]
@@ -268,8 +270,12 @@ def test_the_parts_a_resume_loads_first_cross_the_link_sealed_at_a_higher_level(
     out = pack.for_transfer(key, sealed, [len(p) for p in payloads])
     first = 1 + (pack.PACK_BYTES - pack.FIRST_PART_BYTES) // pack.PART_BYTES
     assert out[first:] == sealed[first:]
-    for blob, before, payload in zip(out[:first], sealed, payloads):
-        assert len(blob) <= len(before)
-        assert seal.open_sealed(key, blob, seal.KIND_DEVSTATE, len(payload)) == payload
+    assert [blob[6] for blob in out[:first]] == [seal.COMPRESSION_ZSTD_STREAM] * first
+    stream = StreamReader()
+    for blob, payload in zip(out[:first], payloads):
+        assert seal.open_sealed(key, blob, seal.KIND_DEVSTATE, len(payload), stream=stream) == payload
     assert sum(map(len, out[:first])) < 0.95 * sum(map(len, sealed[:first]))
+    noise = [os.urandom(4096) for _ in range(3)]
+    plain = [seal.seal(key, seal.KIND_DEVSTATE, p, compress=False) for p in noise]
+    assert pack.for_transfer(key, plain, [4096] * 3) == plain
     print(f"first {first} parts: {sum(map(len, sealed[:first]))} -> {sum(map(len, out[:first]))} bytes")
