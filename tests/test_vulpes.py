@@ -837,15 +837,17 @@ def test_invalidate_makes_the_next_touch_of_a_mapped_page_fault_again(vulpes_bin
 
 def test_debug_level_from_the_environment_logs_every_get(vulpes_binary: Path, isr_server: IsrServer,
                                                          tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """VULPES_LOG_LEVEL=debug (how bench/ turns it on under isr) logs each GET with its priority, size and
-    times; --log-level given on the command line wins over it."""
+    """VULPES_LOG_LEVEL=debug (how bench/ turns it on under isr) logs each GET with its priority, size, times
+    and connection, and curl's connection events; --log-level given on the command line wins over it."""
     content = random_image(1 * MIB, seed=103, data_fraction=1.0)
     state = make_state(tmp_path / "state", content, 1 * MIB)
     state.publish(isr_server.store)
     monkeypatch.setenv("VULPES_LOG_LEVEL", "debug")
     get = r"GET [0-9a-f]{12} (demand|hoard|idle) \d+ B: queued [0-9.]+ ms, first byte [0-9.]+ ms, done [0-9.]+ ms; " \
-          r"running \d+ demand, \d+ background"
-    with server_vulpes(vulpes_binary, tmp_path, state, isr_server, expected_output=[get]) as v:
+          r"running \d+ demand, \d+ background; connection from port \d+"
+    # curl's account of its connections (opened, closed, GOAWAY, ...), at debug level only.
+    connections = r"curl: .*"
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server, expected_output=[get, connections]) as v:
         with open(v.path("disk"), "rb", buffering=0) as f:
             assert f.read(4096) == content[:4096]
         lines = [line for line in v.output().splitlines() if " B: queued " in line]
@@ -855,7 +857,7 @@ def test_debug_level_from_the_environment_logs_every_get(vulpes_binary: Path, is
         with open(v.path("disk"), "rb", buffering=0) as f:
             f.seek(512 * 1024)
             assert f.read(4096) == content[512 * 1024:512 * 1024 + 4096]
-        assert " B: queued " not in v.output()
+        assert " B: queued " not in v.output() and "curl: " not in v.output()
 
 
 def test_trace_records_every_access(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:

@@ -21,7 +21,11 @@
  * stream: curl keeps the connection and puts the retry on it again.  A connection whose path died silently
  * (no RST, no FIN: a NAT or firewall that forgot it, a peer that hangs) would hold every request forever.
  * So the fetcher keeps the sockets curl opens, and when a transfer times out it shuts down every one that
- * has received nothing for that long (TCP_INFO), which makes curl drop the connection and open a new one.
+ * has received nothing for SILENT_CONNECTION_MS (TCP_INFO), which makes curl drop the connection and open a
+ * new one.  That is a little less than LOW_SPEED_TIME_S: a connection that stops answering usually received
+ * its last bytes just after the transfers stuck on it began, so at their timeout it has been silent a little
+ * less than they have (19.9 s of 20 in a benchmark's checkin), and an equal limit spared it until the next
+ * timeout, 4 to 6 s later, every time.
  *
  * Redirects are followed by hand: a redirect to another origin (a presigned S3 URL) is requested without
  * the bearer token and without the server's pinned CA or key (its bytes are verified by tag anyway), so the
@@ -40,11 +44,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <curl/curl.h>
+#include <linux/sockios.h>
 
 #include "chunk.h"
 #include "file.h"
@@ -58,6 +64,7 @@ enum {
         BACKOFF_INITIAL_MS = 100,
         CONNECT_TIMEOUT_S = 10,
         LOW_SPEED_TIME_S = 20,             /* a transfer that moves nothing this long is aborted and retried */
+        SILENT_CONNECTION_MS = LOW_SPEED_TIME_S * 1000 * 3 / 4,   /* at a timeout, shut down if this silent */
         IDLE_QUIET_MIN_US = 50000,         /* idle requests wait this long after a demand request, at least */
         TOKEN_MAX = 4096,
         SOCKETS_MAX = 64,                  /* sockets tracked for the silent-connection check */
@@ -337,10 +344,51 @@ static int on_close_socket(void *userdata, curl_socket_t fd) {
         return close(fd);
 }
 
+/* The local port of a connected socket (what CURLINFO_LOCAL_PORT says of a transfer), 0 if unknown. */
+static unsigned local_port(int fd) {
+        struct sockaddr_storage addr;
+        socklen_t len = sizeof(addr);
+
+        if (getsockname(fd, (struct sockaddr *) &addr, &len) < 0)
+                return 0;
+        if (addr.ss_family == AF_INET)
+                return ntohs(((struct sockaddr_in *) &addr)->sin_port);
+        if (addr.ss_family == AF_INET6)
+                return ntohs(((struct sockaddr_in6 *) &addr)->sin6_port);
+        return 0;
+}
+
 /*
- * After a transfer timed out: shuts down every connection that has received nothing for as long, so that
- * curl sees it end and the retries go to a new one.  A live connection carrying other transfers has
- * received something lately and is left alone.
+ * At debug level, after a transfer timed out: what the kernel says of every connection, so that a log tells
+ * a path that went silent (data unacknowledged, retransmissions), a peer that stopped reading (data unsent
+ * in the socket) and a stall above TCP (nothing queued either way: curl or the server holding back) apart.
+ */
+static void log_connection_states(Fetcher *f) {
+        if (!log_enabled(LOG_DEBUG))
+                return;
+        for (unsigned i = 0; i < f->n_sockets; i++) {
+                struct tcp_info info;
+                socklen_t len = sizeof(info);
+                int unread = -1, queued = -1, unsent = -1;
+
+                if (getsockopt(f->sockets[i], IPPROTO_TCP, TCP_INFO, &info, &len) < 0)
+                        continue;
+                (void) ioctl(f->sockets[i], SIOCINQ, &unread);
+                (void) ioctl(f->sockets[i], SIOCOUTQ, &queued);
+                (void) ioctl(f->sockets[i], SIOCOUTQNSD, &unsent);
+                log_debug("connection from port %u: last received %u ms ago, last sent %u ms ago; %d bytes "
+                          "unread, %d queued (%d of them unsent); %u segments unacknowledged, %u retransmits, "
+                          "backoff %u",
+                          local_port(f->sockets[i]), info.tcpi_last_data_recv, info.tcpi_last_data_sent, unread,
+                          queued, unsent, info.tcpi_unacked, info.tcpi_retransmits, info.tcpi_backoff);
+        }
+}
+
+/*
+ * After a transfer timed out: shuts down every connection that has received nothing for nearly as long
+ * (SILENT_CONNECTION_MS), so that curl sees it end and the retries go to a new one.  A live connection
+ * carrying other transfers has received something lately and is left alone (an idle one goes too: curl
+ * opens another when it needs one).
  */
 static void close_silent_connections(Fetcher *f) {
         for (unsigned i = 0; i < f->n_sockets; i++) {
@@ -349,12 +397,42 @@ static void close_silent_connections(Fetcher *f) {
 
                 if (getsockopt(f->sockets[i], IPPROTO_TCP, TCP_INFO, &info, &len) < 0)
                         continue;
-                if (info.tcpi_last_data_recv >= LOW_SPEED_TIME_S * 1000u) {
+                if (info.tcpi_last_data_recv >= (unsigned) SILENT_CONNECTION_MS) {
                         log_debug("shutting down a connection that received nothing for %u ms",
                                   info.tcpi_last_data_recv);
                         (void) shutdown(f->sockets[i], SHUT_RDWR);
                 }
         }
+}
+
+/*
+ * At debug level: curl's account of its connections (opened, closed, found dead, told GOAWAY, a stream
+ * refused, too many streams on one), which says why a fetcher has more than one connection and what became
+ * of them.  Per-transfer lines (headers, stream ids, a connection reused or left intact) are left out: the
+ * fetcher's own debug line per transfer names its connection by local port.
+ */
+static int on_curl_debug(CURL *easy, curl_infotype type, char *text, size_t len, void *userdata) {
+        static const char *const kept[] = { "onnect", "GOAWAY", "REFUSED", "MAX_CONCURRENT", "dead", "PIPEWAIT",
+                                            "multiplex" };
+        static const char *const dropped[] = { "Re-using", "left intact", "Multiplexed connection found",
+                                               "Found bundle" };
+        char line[512];
+        bool keep = false;
+
+        (void) easy;
+        (void) userdata;
+        if (type != CURLINFO_TEXT)
+                return 0;
+        while (len > 0 && (text[len - 1] == '\n' || text[len - 1] == '\r'))
+                len--;
+        snprintf(line, sizeof(line), "%.*s", (int) (len < sizeof(line) ? len : sizeof(line) - 1), text);
+        for (size_t i = 0; i < sizeof(kept) / sizeof(kept[0]) && !keep; i++)
+                keep = strstr(line, kept[i]) != NULL;
+        for (size_t i = 0; i < sizeof(dropped) / sizeof(dropped[0]) && keep; i++)
+                keep = strstr(line, dropped[i]) == NULL;
+        if (keep)
+                log_debug("curl: %s", line);
+        return 0;
 }
 
 #define SETOPT(easy, opt, value)                                                                    \
@@ -396,6 +474,10 @@ static int transfer_setup(Fetcher *f, Request *r) {
         SETOPT(e, CURLOPT_CLOSESOCKETFUNCTION, on_close_socket);
         SETOPT(e, CURLOPT_CLOSESOCKETDATA, f);
         SETOPT(e, CURLOPT_USERAGENT, "vulpes/0.1");
+        if (log_enabled(LOG_DEBUG)) {
+                SETOPT(e, CURLOPT_DEBUGFUNCTION, on_curl_debug);
+                SETOPT(e, CURLOPT_VERBOSE, 1L);
+        }
 
         curl_slist_free_all(r->headers);
         r->headers = NULL;
@@ -728,6 +810,7 @@ static void finished_transfers(Fetcher *f) {
         while ((msg = curl_multi_info_read(f->multi, &left))) {
                 Request *r = NULL;
                 int result = 0, done;
+                long port = 0;
                 CURLcode code;
 
                 if (msg->msg != CURLMSG_DONE)
@@ -737,6 +820,7 @@ static void finished_transfers(Fetcher *f) {
                 curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **) &r);
                 pthread_mutex_lock(&f->lock);
                 done = transfer_finish(f, r, code, &result);
+                curl_easy_getinfo(r->easy, CURLINFO_LOCAL_PORT, &port);
                 if (done == 1 && result == 0 && r->kind == REQUEST_GET) {
                         curl_off_t ttfb = 0;
                         uint64_t now = now_us();
@@ -746,10 +830,25 @@ static void finished_transfers(Fetcher *f) {
                         pace_completed(&f->pace, now, ttfb > 0 ? (uint64_t) ttfb : 0, r->body_len);
                         /* What a demand miss waited for, and behind what: the figures bench/ reads. */
                         log_debug("GET %.12s %s %zu B: queued %.1f ms, first byte %.1f ms, done %.1f ms; "
-                                  "running %u demand, %u background",
+                                  "running %u demand, %u background; connection from port %ld",
                                   r->hex, priority_name(r->priority), r->body_len,
                                   (double) (r->started_us - r->created_us) / 1e3, (double) ttfb / 1e3,
-                                  (double) (now - r->started_us) / 1e3, f->active_demand, f->active_hoard);
+                                  (double) (now - r->started_us) / 1e3, f->active_demand, f->active_hoard, port);
+                } else if (done == 1 && result == 0) {
+                        log_debug("PUT %.12s %zu B: queued %.1f ms, done %.1f ms; running %u uploads; connection "
+                                  "from port %ld",
+                                  r->hex, r->body_len, (double) (r->started_us - r->created_us) / 1e3,
+                                  (double) (now_us() - r->started_us) / 1e3, f->active_upload, port);
+                } else if (code == CURLE_OPERATION_TIMEDOUT) {
+                        curl_off_t sent = 0, received = 0;
+
+                        curl_easy_getinfo(r->easy, CURLINFO_SIZE_UPLOAD_T, &sent);
+                        curl_easy_getinfo(r->easy, CURLINFO_SIZE_DOWNLOAD_T, &received);
+                        log_debug("%s %.12s timed out after %.1f s with %" CURL_FORMAT_CURL_OFF_T " bytes sent and "
+                                  "%" CURL_FORMAT_CURL_OFF_T " received, on the connection from port %ld",
+                                  r->kind == REQUEST_GET ? "GET" : "PUT", r->hex,
+                                  (double) (now_us() - r->started_us) / 1e6, sent, received, port);
+                        log_connection_states(f);
                 }
                 transfer_cleanup(f, r);
                 (*active_of(f, r))--;

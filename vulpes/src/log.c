@@ -28,6 +28,10 @@ void log_set_ident(const char *ident) {
         log_ident = ident;
 }
 
+bool log_enabled(int level) {
+        return level <= atomic_load(&max_level);
+}
+
 int log_level_parse(const char *name) {
         static const struct {
                 const char *name;
