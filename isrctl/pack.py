@@ -316,15 +316,22 @@ class Fetching:
 
     A part that cannot be had or is damaged, or an answer that breaks off before it, ends the parts with a
     warning: those before it stay good, and the resume fetches the other chunks as it would without a pack.
-    ``remote`` is the thread's alone; it is closed at the end if ``close_remote``."""
+    ``remote`` is the thread's alone; it is closed at the end if ``close_remote``.
+
+    With ``hold``, the fetch stops reading after the first part until `go` (the rest waits in the server and
+    the socket's buffers): a resume lets the later parts come once QEMU has started, which the stream's work
+    on both ends of a small PC's link slowed from 0.1 to 0.7 s (BENCHMARKS.md "recent pages first")."""
 
     def __init__(self, remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys,
                  names: list[str], *, keep: int | None = None, seconds: float = PACK_LINK_SECONDS,
-                 close_remote: bool = False) -> None:
+                 close_remote: bool = False, hold: bool = False) -> None:
         self._remote, self._state, self._manifest, self._keys = remote, state, manifest, parcel_keys
         self._names, self._keep, self._seconds, self._close_remote = names, keep, seconds, close_remote
         self._queue: queue.SimpleQueue[tuple[str, bytes, int, int] | None] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._go = threading.Event()
+        if not hold:
+            self._go.set()
         self._thread = threading.Thread(target=self._run, name="resume-pack-fetch", daemon=True)
         self._thread.start()
 
@@ -345,6 +352,10 @@ class Fetching:
                     used += part
                     loaded += 1
                     opened += len(payload)
+                    if not self._go.is_set():
+                        held = time.monotonic()
+                        self._go.wait()
+                        started += time.monotonic() - held      # the pace is the link's, not the hold's
                     if self._keep is not None and used >= self._keep and loaded < len(names):
                         rest = sum(manifest.blobs[n].size for n in names[loaded:])       # payloads, as `opened`
                         pace = opened / max(time.monotonic() - started, 1e-3)
@@ -366,9 +377,14 @@ class Fetching:
             yield item
         self._queue.put(None)                   # the end, for the next iteration too
 
+    def go(self) -> None:
+        """Let the parts after the first come (see ``hold``)."""
+        self._go.set()
+
     def close(self) -> None:
         """Stop fetching at the next part (those taken stay good)."""
         self._stop.set()
+        self._go.set()
 
 
 def hand_over(parts: Iterator[tuple[str, bytes, int, int]], vulpes: Vulpes) -> int:

@@ -258,7 +258,8 @@ class Session:
         if self.resumed and change is None and self.client is not None and pack.worth_loading(self.state, manifest):
             # The pack's parts cross the link from now on, in one answer: the first while vulpes starts.
             self._pack_fetching = pack.Fetching(self.client.new_remote(), self.state, manifest, self.keys,
-                                                pack.parts(manifest), keep=pack.PACK_BYTES, close_remote=True)
+                                                pack.parts(manifest), keep=pack.PACK_BYTES, close_remote=True,
+                                                hold=True)
 
         # From here on vulpes may change the keyrings: a crash must read as "damaged", not as the old state.
         self.state.save_local_change(LocalChange(state=RUNNING, base_suspended=manifest.suspended))
@@ -278,6 +279,7 @@ class Session:
             finally:
                 with contextlib.suppress(Exception):
                     launching.exception()        # never two starts at once: _abort_start() kills what this made
+                self._pack_fetching.go()
             t = self._phase("resume pack + qemu start", t)
         self._start_vm(manifest, boot, devstate, launched=launching)
         t = self._phase("qemu", t)

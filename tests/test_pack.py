@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import random
+import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -238,6 +239,34 @@ def test_load_with_keep_stops_where_the_rest_would_take_too_long(server_env: Ser
             assert len(stopped) == (loaded < 4) and not [r for r in caplog.records if r.levelno >= logging.WARNING]
         # The connection the stopped bundle left is not needed again: the next request goes through.
         assert remote.get_blob(parcel, 1, names[3]) == blobs[names[3]]
+
+
+@pytest.mark.parametrize("server_env", ["sqlite-directory"], indirect=True)
+def test_a_held_fetch_stops_after_the_first_part_until_told_to_go(server_env: ServerEnv) -> None:
+    """With ``hold`` the first part comes and the others wait (in the server and the socket) until `go`; then
+    they all come, in order, on the same request."""
+    parcel = server_env.new_parcel("alice")
+    key = os.urandom(32)
+    image_size = 1 << 20
+    payloads = [resumepack.encode(image_size, [(index * 8192, os.urandom(4096))]) for index in range(4)]
+    names = [resumepack.part_name(index) for index in range(4)]
+    with server_env.client("alice") as remote:
+        nonce = remote.acquire(parcel, host="laptop")["nonce"]
+        blobs = {"manifest": b"m", "keyring.disk": b"k", "keyring.memory": b"k",
+                 **{name: seal.seal(key, seal.KIND_DEVSTATE, payload) for name, payload in zip(names, payloads)}}
+        for name, data in blobs.items():
+            remote.put_blob(parcel, name, data, nonce)
+        remote.commit(parcel, nonce, 0, list(blobs), [])
+        remote.release(parcel, nonce)
+        manifest = pack_manifest(parcel, 1, image_size, dict(zip(names, payloads)))
+        fetching = pack.Fetching(remote, SimpleNamespace(parcel=parcel), manifest,  # type: ignore[arg-type]
+                                 SimpleNamespace(parcel_key=key), names, hold=True)  # type: ignore[arg-type]
+        parts = iter(fetching)
+        assert next(parts)[1] == payloads[0]
+        time.sleep(0.5)                              # nothing more comes while held, however long it is
+        assert fetching._queue.empty()
+        fetching.go()
+        assert [part[1] for part in parts] == payloads[1:]
 
 
 def test_limit_follows_the_link_within_bounds() -> None:
