@@ -210,26 +210,34 @@ def test_load_takes_the_parts_from_one_bundle_until_one_is_damaged(server_env: S
                 assert len(warnings) == 1 and "version 2 is not used from resumepack.1 on" in warnings[0]
 
 
+def published_pack(server_env: ServerEnv, count: int) -> tuple[str, bytes, list[str], list[bytes], dict[str, bytes],
+                                                               Manifest]:
+    """A new parcel of alice's whose version 1 has a pack of ``count`` one-page parts, each sealed alone: the
+    parcel, its key, the part names, their payloads, every blob stored, and the version's manifest."""
+    parcel = server_env.new_parcel("alice")
+    key = os.urandom(32)
+    image_size = 1 << 20
+    payloads = [resumepack.encode(image_size, [(index * 8192, os.urandom(4096))]) for index in range(count)]
+    names = [resumepack.part_name(index) for index in range(count)]
+    blobs = {"manifest": b"m", "keyring.disk": b"k", "keyring.memory": b"k",
+             **{name: seal.seal(key, seal.KIND_DEVSTATE, payload) for name, payload in zip(names, payloads)}}
+    with server_env.client("alice") as remote:
+        nonce = remote.acquire(parcel, host="laptop")["nonce"]
+        for name, data in blobs.items():
+            remote.put_blob(parcel, name, data, nonce)
+        remote.commit(parcel, nonce, 0, list(blobs), [])
+        remote.release(parcel, nonce)
+    return parcel, key, names, payloads, blobs, pack_manifest(parcel, 1, image_size, dict(zip(names, payloads)))
+
+
 @pytest.mark.parametrize("server_env", ["sqlite-directory"], indirect=True)
 def test_load_with_keep_stops_where_the_rest_would_take_too_long(server_env: ServerEnv,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     """Past ``keep`` bytes of plaintext, `pack.Fetching` stops where the parts still to come would take longer than
     ``seconds`` at the pace the others came (none here: it stops at once); with time to spare it takes all.
     It asks for them in one streamed answer."""
-    parcel = server_env.new_parcel("alice")
-    key = os.urandom(32)
-    image_size = 1 << 20
-    payloads = [resumepack.encode(image_size, [(index * 8192, os.urandom(4096))]) for index in range(4)]
-    names = [resumepack.part_name(index) for index in range(4)]
+    parcel, key, names, payloads, blobs, manifest = published_pack(server_env, 4)
     with server_env.client("alice") as remote:
-        nonce = remote.acquire(parcel, host="laptop")["nonce"]
-        blobs = {"manifest": b"m", "keyring.disk": b"k", "keyring.memory": b"k",
-                 **{name: seal.seal(key, seal.KIND_DEVSTATE, payload) for name, payload in zip(names, payloads)}}
-        for name, data in blobs.items():
-            remote.put_blob(parcel, name, data, nonce)
-        remote.commit(parcel, nonce, 0, list(blobs), [])
-        remote.release(parcel, nonce)
-        manifest = pack_manifest(parcel, 1, image_size, dict(zip(names, payloads)))
         for keep, seconds, loaded in ((8192, 0.0, 2), (0, 0.0, 1), (8192, 1e9, 4), (None, 0.0, 4)):
             used, vulpes, requests = load_recorded(remote, parcel, manifest, key, names, caplog, keep=keep,
                                                    seconds=seconds)
@@ -245,20 +253,8 @@ def test_load_with_keep_stops_where_the_rest_would_take_too_long(server_env: Ser
 def test_a_held_fetch_stops_after_the_first_part_until_told_to_go(server_env: ServerEnv) -> None:
     """With ``hold`` the first part comes and the others wait (in the server and the socket) until `go`; then
     they all come, in order, on the same request."""
-    parcel = server_env.new_parcel("alice")
-    key = os.urandom(32)
-    image_size = 1 << 20
-    payloads = [resumepack.encode(image_size, [(index * 8192, os.urandom(4096))]) for index in range(4)]
-    names = [resumepack.part_name(index) for index in range(4)]
+    parcel, key, names, payloads, _, manifest = published_pack(server_env, 4)
     with server_env.client("alice") as remote:
-        nonce = remote.acquire(parcel, host="laptop")["nonce"]
-        blobs = {"manifest": b"m", "keyring.disk": b"k", "keyring.memory": b"k",
-                 **{name: seal.seal(key, seal.KIND_DEVSTATE, payload) for name, payload in zip(names, payloads)}}
-        for name, data in blobs.items():
-            remote.put_blob(parcel, name, data, nonce)
-        remote.commit(parcel, nonce, 0, list(blobs), [])
-        remote.release(parcel, nonce)
-        manifest = pack_manifest(parcel, 1, image_size, dict(zip(names, payloads)))
         fetching = pack.Fetching(remote, SimpleNamespace(parcel=parcel), manifest,  # type: ignore[arg-type]
                                  SimpleNamespace(parcel_key=key), names, hold=True)  # type: ignore[arg-type]
         parts = iter(fetching)
