@@ -318,9 +318,11 @@ class Fetching:
     warning: those before it stay good, and the resume fetches the other chunks as it would without a pack.
     ``remote`` is the thread's alone; it is closed at the end if ``close_remote``.
 
-    With ``hold``, the fetch stops reading after the first part until `go` (the rest waits in the server and
-    the socket's buffers): a resume lets the later parts come once QEMU has started, which the stream's work
-    on both ends of a small PC's link slowed from 0.1 to 0.7 s (BENCHMARKS.md "recent pages first")."""
+    With ``hold``, the first part comes alone, and the others in a second request on the same connection once
+    `go` is called: a resume asks for them once QEMU has started, whose start reads the disk's first sector
+    (its geometry), a demand read that waited 0.45-0.85 s behind the later parts in the link's queue at 10
+    Mbit/s (BENCHMARKS.md "recent pages first"). Not reading the one answer's later parts for a while did not
+    do: what the server had sent by then filled the link's queue all the same."""
 
     def __init__(self, remote: Remote, state: ParcelState, manifest: Manifest, parcel_keys: ParcelKeys,
                  names: list[str], *, keep: int | None = None, seconds: float = PACK_LINK_SECONDS,
@@ -329,6 +331,7 @@ class Fetching:
         self._names, self._keep, self._seconds, self._close_remote = names, keep, seconds, close_remote
         self._queue: queue.SimpleQueue[tuple[str, bytes, int, int] | None] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._hold = hold
         self._go = threading.Event()
         if not hold:
             self._go.set()
@@ -342,28 +345,32 @@ class Fetching:
         names, manifest = self._names, self._manifest
         size = manifest.images["memory"].size
         try:
-            with contextlib.closing(self._remote.get_blobs(self._state.parcel, manifest.version, names)) as arriving:
-                for name, sealed in arriving:
-                    if self._stop.is_set():
-                        break
-                    payload = open_blob(self._keys.parcel_key, sealed, manifest, name, stream=stream)
-                    part = sum(extent.length for extent, _ in resumepack.decode(payload, size))
-                    self._queue.put((name, payload, part, len(sealed)))
-                    used += part
-                    loaded += 1
-                    opened += len(payload)
-                    if not self._go.is_set():
-                        held = time.monotonic()
-                        self._go.wait()
-                        started += time.monotonic() - held      # the pace is the link's, not the hold's
-                    if self._keep is not None and used >= self._keep and loaded < len(names):
-                        rest = sum(manifest.blobs[n].size for n in names[loaded:])       # payloads, as `opened`
-                        pace = opened / max(time.monotonic() - started, 1e-3)
-                        if rest > pace * self._seconds:
-                            log.info("resume pack: its last %d parts (%d bytes of payload) are not fetched: at the "
-                                     "pace of the others they would take %.1f s", len(names) - loaded, rest,
-                                     rest / pace)
-                            break
+            for batch in ([names[:1], names[1:]] if self._hold else [names]):
+                if not self._go.is_set() and loaded:
+                    held = time.monotonic()
+                    self._go.wait()
+                    started += time.monotonic() - held      # the pace is the link's, not the hold's
+                if self._stop.is_set() or not batch:
+                    break
+                with contextlib.closing(self._remote.get_blobs(self._state.parcel, manifest.version, batch)) \
+                        as arriving:
+                    for name, sealed in arriving:
+                        if self._stop.is_set():
+                            return
+                        payload = open_blob(self._keys.parcel_key, sealed, manifest, name, stream=stream)
+                        part = sum(extent.length for extent, _ in resumepack.decode(payload, size))
+                        self._queue.put((name, payload, part, len(sealed)))
+                        used += part
+                        loaded += 1
+                        opened += len(payload)
+                        if self._keep is not None and used >= self._keep and loaded < len(names):
+                            rest = sum(manifest.blobs[n].size for n in names[loaded:])   # payloads, as `opened`
+                            pace = opened / max(time.monotonic() - started, 1e-3)
+                            if rest > pace * self._seconds:
+                                log.info("resume pack: its last %d parts (%d bytes of payload) are not fetched: at "
+                                         "the pace of the others they would take %.1f s", len(names) - loaded,
+                                         rest, rest / pace)
+                                return
         except (IsrError, ParcelError, OSError) as exc:
             log.warning("the resume pack of version %d is not used from %s on: %s", manifest.version,
                         names[min(loaded, len(names) - 1)], exc)
@@ -378,7 +385,7 @@ class Fetching:
         self._queue.put(None)                   # the end, for the next iteration too
 
     def go(self) -> None:
-        """Let the parts after the first come (see ``hold``)."""
+        """Ask for the parts after the first (see ``hold``)."""
         self._go.set()
 
     def close(self) -> None:

@@ -251,18 +251,21 @@ def test_load_with_keep_stops_where_the_rest_would_take_too_long(server_env: Ser
 
 @pytest.mark.parametrize("server_env", ["sqlite-directory"], indirect=True)
 def test_a_held_fetch_stops_after_the_first_part_until_told_to_go(server_env: ServerEnv) -> None:
-    """With ``hold`` the first part comes and the others wait (in the server and the socket) until `go`; then
-    they all come, in order, on the same request."""
+    """With ``hold`` the first part comes alone and the others are not asked for until `go`; then they all
+    come, in order, in a second request on the same connection."""
     parcel, key, names, payloads, _, manifest = published_pack(server_env, 4)
     with server_env.client("alice") as remote:
+        requests: list[str] = []
+        remote.client.event_hooks["request"] = [lambda request: requests.append(request.url.path)]
         fetching = pack.Fetching(remote, SimpleNamespace(parcel=parcel), manifest,  # type: ignore[arg-type]
                                  SimpleNamespace(parcel_key=key), names, hold=True)  # type: ignore[arg-type]
         parts = iter(fetching)
         assert next(parts)[1] == payloads[0]
         time.sleep(0.5)                              # nothing more comes while held, however long it is
-        assert fetching._queue.empty()
+        assert fetching._queue.empty() and len(requests) == 1
         fetching.go()
         assert [part[1] for part in parts] == payloads[1:]
+        assert requests == [f"/v1/parcels/{parcel}/versions/1/_bundle"] * 2
 
 
 def test_limit_follows_the_link_within_bounds() -> None:
