@@ -462,8 +462,19 @@ static int transfer_setup(Fetcher *f, Request *r) {
         SETOPT(e, CURLOPT_PRIVATE, r);
         SETOPT(e, CURLOPT_PROTOCOLS_STR, "https,http");
         SETOPT(e, CURLOPT_FOLLOWLOCATION, 0L);
-        SETOPT(e, CURLOPT_HTTP_VERSION, (long) CURL_HTTP_VERSION_2TLS);
-        SETOPT(e, CURLOPT_PIPEWAIT, 1L);
+        if (r->kind == REQUEST_PUT) {
+                /* Uploads over HTTP/2 stalled with libcurl 7.88 (Debian 12): a PUT stream that had sent
+                 * nothing sat for LOW_SPEED_TIME_S while its connection held the server's answer unread in
+                 * the socket (TCP_INFO at the timeout: about 1 KB unread, received 40 ms after the last
+                 * send), in about 1 checkin of 10 in the benchmarks (doc/vulpes.md, "What a stall looked
+                 * like"); curl 8.1-8.2 fixed several such HTTP/2 upload stalls.  Each upload gets an HTTP/1.1
+                 * connection of its own instead (kept for the next one), which also leaves its bytes out of
+                 * HTTP/2's flow-control windows. */
+                SETOPT(e, CURLOPT_HTTP_VERSION, (long) CURL_HTTP_VERSION_1_1);
+        } else {
+                SETOPT(e, CURLOPT_HTTP_VERSION, (long) CURL_HTTP_VERSION_2TLS);
+                SETOPT(e, CURLOPT_PIPEWAIT, 1L);
+        }
         SETOPT(e, CURLOPT_NOSIGNAL, 1L);
         SETOPT(e, CURLOPT_CONNECTTIMEOUT, (long) CONNECT_TIMEOUT_S);
         SETOPT(e, CURLOPT_LOW_SPEED_LIMIT, 1L);
