@@ -359,36 +359,13 @@ static unsigned local_port(int fd) {
 }
 
 /*
- * At debug level, after a transfer timed out: what the kernel says of every connection, so that a log tells
- * a path that went silent (data unacknowledged, retransmissions), a peer that stopped reading (data unsent
- * in the socket) and a stall above TCP (nothing queued either way: curl or the server holding back) apart.
- */
-static void log_connection_states(Fetcher *f) {
-        if (!log_enabled(LOG_DEBUG))
-                return;
-        for (unsigned i = 0; i < f->n_sockets; i++) {
-                struct tcp_info info;
-                socklen_t len = sizeof(info);
-                int unread = -1, queued = -1, unsent = -1;
-
-                if (getsockopt(f->sockets[i], IPPROTO_TCP, TCP_INFO, &info, &len) < 0)
-                        continue;
-                (void) ioctl(f->sockets[i], SIOCINQ, &unread);
-                (void) ioctl(f->sockets[i], SIOCOUTQ, &queued);
-                (void) ioctl(f->sockets[i], SIOCOUTQNSD, &unsent);
-                log_debug("connection from port %u: last received %u ms ago, last sent %u ms ago; %d bytes "
-                          "unread, %d queued (%d of them unsent); %u segments unacknowledged, %u retransmits, "
-                          "backoff %u",
-                          local_port(f->sockets[i]), info.tcpi_last_data_recv, info.tcpi_last_data_sent, unread,
-                          queued, unsent, info.tcpi_unacked, info.tcpi_retransmits, info.tcpi_backoff);
-        }
-}
-
-/*
  * After a transfer timed out: shuts down every connection that has received nothing for nearly as long
  * (SILENT_CONNECTION_MS), so that curl sees it end and the retries go to a new one.  A live connection
  * carrying other transfers has received something lately and is left alone (an idle one goes too: curl
- * opens another when it needs one).
+ * opens another when it needs one).  At debug level it first logs what the kernel says of each connection,
+ * so that a log tells a path that went silent (data unacknowledged, retransmissions), a peer that stopped
+ * reading (data unsent in the socket) and a stall above TCP (nothing queued either way: curl or the server
+ * holding back) apart.
  */
 static void close_silent_connections(Fetcher *f) {
         for (unsigned i = 0; i < f->n_sockets; i++) {
@@ -397,6 +374,18 @@ static void close_silent_connections(Fetcher *f) {
 
                 if (getsockopt(f->sockets[i], IPPROTO_TCP, TCP_INFO, &info, &len) < 0)
                         continue;
+                if (log_enabled(LOG_DEBUG)) {
+                        int unread = -1, queued = -1, unsent = -1;
+
+                        (void) ioctl(f->sockets[i], SIOCINQ, &unread);
+                        (void) ioctl(f->sockets[i], SIOCOUTQ, &queued);
+                        (void) ioctl(f->sockets[i], SIOCOUTQNSD, &unsent);
+                        log_debug("connection from port %u: last received %u ms ago, last sent %u ms ago; %d bytes "
+                                  "unread, %d queued (%d of them unsent); %u segments unacknowledged, %u "
+                                  "retransmits, backoff %u",
+                                  local_port(f->sockets[i]), info.tcpi_last_data_recv, info.tcpi_last_data_sent,
+                                  unread, queued, unsent, info.tcpi_unacked, info.tcpi_retransmits, info.tcpi_backoff);
+                }
                 if (info.tcpi_last_data_recv >= (unsigned) SILENT_CONNECTION_MS) {
                         log_debug("shutting down a connection that received nothing for %u ms",
                                   info.tcpi_last_data_recv);
@@ -859,7 +848,6 @@ static void finished_transfers(Fetcher *f) {
                                   "%" CURL_FORMAT_CURL_OFF_T " received, on the connection from port %ld",
                                   r->kind == REQUEST_GET ? "GET" : "PUT", r->hex,
                                   (double) (now_us() - r->started_us) / 1e6, sent, received, port);
-                        log_connection_states(f);
                 }
                 transfer_cleanup(f, r);
                 (*active_of(f, r))--;
