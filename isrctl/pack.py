@@ -303,11 +303,11 @@ def worth_loading(state: ParcelState, manifest: Manifest) -> bool:
 
 
 class Fetching:
-    """The pack parts ``names`` fetched in one request that streams them in order (`Remote.get_blobs`), on a
+    """The pack parts ``names`` fetched in a request that streams them in order (`Remote.get_blobs`), on a
     thread of its own from the moment this is made, each checked as it arrives and kept until it is taken
     (iterate: (name, payload, plaintext of memory in it, bytes that crossed the link), in order, until the
     parts end). A resume makes it as soon as the version's metadata is here: the first part then crosses the
-    link while vulpes starts, and the later ones follow on the same connection without a round trip.
+    link while vulpes starts.
 
     With ``keep``, once that much plaintext has come the fetch stops where the parts still to come would take
     more than ``seconds`` at the pace the parts came so far: a pack made on a fast link would hold a slow
@@ -328,7 +328,7 @@ class Fetching:
                  names: list[str], *, keep: int | None = None, seconds: float = PACK_LINK_SECONDS,
                  close_remote: bool = False, hold: bool = False) -> None:
         self._remote, self._state, self._manifest, self._keys = remote, state, manifest, parcel_keys
-        self._names, self._keep, self._seconds, self._close_remote = names, keep, seconds, close_remote
+        self.names, self._keep, self._seconds, self._close_remote = names, keep, seconds, close_remote
         self._queue: queue.SimpleQueue[tuple[str, bytes, int, int] | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._hold = hold
@@ -342,7 +342,7 @@ class Fetching:
         used = loaded = opened = 0
         stream = StreamReader()                  # the parts sealed as one zstd stream (`for_transfer`)
         started = time.monotonic()
-        names, manifest = self._names, self._manifest
+        names, manifest = self.names, self._manifest
         size = manifest.images["memory"].size
         try:
             for batch in ([names[:1], names[1:]] if self._hold else [names]):

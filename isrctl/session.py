@@ -256,7 +256,7 @@ class Session:
 
         self.resumed = devstate is not None
         if self.resumed and change is None and self.client is not None and pack.worth_loading(self.state, manifest):
-            # The pack's parts cross the link from now on, in one answer: the first while vulpes starts.
+            # The pack's first part crosses the link from now on, while vulpes starts; the others once QEMU has.
             self._pack_fetching = pack.Fetching(self.client.new_remote(), self.state, manifest, self.keys,
                                                 pack.parts(manifest), keep=pack.PACK_BYTES, close_remote=True,
                                                 hold=True)
@@ -275,7 +275,7 @@ class Session:
             # once the part is in vulpes.
             launching = background.start("qemu-launch", self._launch, manifest, boot, True)
             try:
-                self._load_resume_pack(self._pack_fetching, len(pack.parts(manifest)))
+                self._load_resume_pack(self._pack_fetching)
             finally:
                 with contextlib.suppress(Exception):
                     launching.exception()        # never two starts at once: _abort_start() kills what this made
@@ -1017,10 +1017,11 @@ class Session:
         except RemoteError:
             return False
 
-    def _load_resume_pack(self, fetching: pack.Fetching, count: int) -> None:
-        """The resume pack's ``count`` parts, as ``fetching`` brings them, to vulpes: the first now, the others in
-        the background while the guest runs on the first (`isrctl.pack`)."""
+    def _load_resume_pack(self, fetching: pack.Fetching) -> None:
+        """The resume pack's parts, as ``fetching`` brings them, to vulpes: the first now, the others in the
+        background while the guest runs on the first (`isrctl.pack`)."""
         assert self.vulpes is not None
+        count = len(fetching.names)
         parts = iter(fetching)
         used = pack.hand_over(itertools.islice(parts, 1), self.vulpes)
         if not used:

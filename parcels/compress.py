@@ -13,6 +13,8 @@ end is refused before any output is returned.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import zstandard
 
 from parcels.errors import FormatError
@@ -87,18 +89,27 @@ def decompress(frame: Bytes, length: int, *, dictionary: Bytes | None = None) ->
 
 
 def _decompress_streaming(frame: bytes, length: int, dictionary: Bytes | None) -> bytes:
-    """Feed the frame a few bytes at a time so a small frame cannot expand into a huge allocation."""
     decoder = zstandard.ZstdDecompressor(dict_data=_dictionary(dictionary)).decompressobj()
+    out, ended = _feed(decoder, frame, length, "zstd frame")
+    if not ended:
+        raise FormatError("zstd frame is truncated")
+    return out
+
+
+def _feed(decoder: Any, data: bytes, length: int, what: str) -> tuple[bytes, bool]:
+    """Feed ``data`` to a streaming ``decoder`` a few bytes at a time, so that a small input cannot expand into
+    a huge allocation: its output (more than ``length`` bytes is a FormatError naming ``what``), and whether
+    the frame ended there (FormatError if bytes follow its end)."""
     out = bytearray()
-    for pos in range(0, len(frame), _FEED_SIZE):
-        out += decoder.decompress(frame[pos:pos + _FEED_SIZE])
+    for pos in range(0, len(data), _FEED_SIZE):
+        out += decoder.decompress(data[pos:pos + _FEED_SIZE])
         if len(out) > length:
-            raise FormatError(f"zstd frame decompresses to more than {length} bytes")
+            raise FormatError(f"{what} decompresses to more than {length} bytes")
         if decoder.eof:
-            if decoder.unused_data or pos + _FEED_SIZE < len(frame):
+            if decoder.unused_data or pos + _FEED_SIZE < len(data):
                 raise FormatError("trailing data after the zstd frame")
-            return bytes(out)
-    raise FormatError("zstd frame is truncated")
+            return bytes(out), True
+    return bytes(out), False
 
 
 class StreamWriter:
@@ -142,19 +153,11 @@ class StreamReader:
         if not self._started and data[:4] != ZSTD_MAGIC:
             raise FormatError("compressed data does not start a zstd frame")
         self._started = True
-        out = bytearray()
         try:
-            for pos in range(0, len(data), _FEED_SIZE):
-                out += self._decoder.decompress(data[pos:pos + _FEED_SIZE])
-                if len(out) > length:
-                    raise FormatError(f"zstd stream piece decompresses to more than {length} bytes")
-                if self._decoder.eof:
-                    if self._decoder.unused_data or pos + _FEED_SIZE < len(data):
-                        raise FormatError("trailing data after the zstd frame")
-                    self._ended = True
+            out, self._ended = _feed(self._decoder, data, length, "zstd stream piece")
         except zstandard.ZstdError as exc:
             raise FormatError(f"bad zstd stream: {exc}") from None
         if len(out) != length:
             raise FormatError(f"zstd stream piece decompressed to {len(out)} bytes, expected {length}")
         self._failed = False
-        return bytes(out)
+        return out

@@ -98,14 +98,16 @@ def open_version(store: DirStore, parcel: uuid.UUID, version: int, keys: ParcelK
     return VersionContents(manifest, records["disk"], records["memory"])
 
 
-def read_blob(store: DirStore, parcel: uuid.UUID, manifest: Manifest, name: str, keys: ParcelKeys) -> bytes:
-    """Return the payload of blob `name` of the version `manifest` describes, checked against it.
+def read_blob(store: DirStore, parcel: uuid.UUID, manifest: Manifest, name: str, keys: ParcelKeys, *,
+              stream: StreamReader | None = None) -> bytes:
+    """Return the payload of blob `name` of the version `manifest` describes, checked against it (``stream``:
+    as `open_blob` takes it).
 
     Raises NotFoundError if the file is missing, FormatError if the manifest names no such blob,
     IntegrityError for an authentication or digest failure.
     """
     data = store.get_blob(parcel, manifest.version, name)
-    return open_blob(keys.parcel_key, data, manifest, name)
+    return open_blob(keys.parcel_key, data, manifest, name, stream=stream)
 
 
 def read_chunk(store: DirStore, keys: ParcelKeys, record: KeyringRecord, length: int) -> bytes:
@@ -333,7 +335,7 @@ def verify_version(store: DirStore, parcel: uuid.UUID, version: int, keys: Parce
     stream = StreamReader()                      # a resume pack's parts sealed as one stream, read in order
     for name in sorted(manifest.blobs, key=_blob_order):
         try:
-            open_blob(keys.parcel_key, store.get_blob(parcel, manifest.version, name), manifest, name, stream=stream)
+            read_blob(store, parcel, manifest, name, keys, stream=stream)
         except MissingFilesError:
             if name != DEVSTATE_FILES or manifest.blobs[name] != manifest.blobs.get(DEVSTATE):
                 problems.append(f"blob {name}: compressed against files, but it does not stand in for "
