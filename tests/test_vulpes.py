@@ -575,6 +575,30 @@ def test_full_file_system_makes_room_then_says_enospc(vulpes_binary: Path, isr_s
             assert read_all(v.path("disk")) == model
 
 
+def test_uploads_go_over_connections_of_their_own(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Uploads go over HTTP/1.1, each running one on a connection of its own, never as streams of the HTTP/2
+    connection the reads use (libcurl 7.88's HTTP/2 uploads could stall for 20 s: doc/vulpes.md). The debug
+    lines name each transfer's connection by its local port."""
+    content = random_image(4 * MIB, seed=131, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    state.publish(isr_server.store)
+    monkeypatch.setenv("VULPES_LOG_LEVEL", "debug")
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server, expected_output=[r".*"]) as v:
+        with open(v.path("disk"), "r+b", buffering=0) as f:
+            assert f.read(4096) == content[:4096]
+            for index in range(1, 25):
+                f.seek(index * CHUNK_SIZE)
+                f.write(random.Random(index).randbytes(CHUNK_SIZE))
+            os.fsync(f.fileno())
+        assert v.control({"op": "upload"}, timeout=120) == {"ok": True, "uploaded": 24}
+        output = v.output()
+    gets = set(re.findall(r"GET [0-9a-f]{12} .* connection from port (\d+)", output))
+    puts = re.findall(r"PUT [0-9a-f]{12} \d+ B: .* connection from port (\d+)", output)
+    assert gets and len(puts) == 24, (gets, puts)
+    assert not gets & set(puts), (gets, puts)
+
+
 # --- control socket: hoard, offline, traces, writeback ---------------------------------------------------
 
 def test_hoard_then_offline(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:
