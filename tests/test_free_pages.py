@@ -3,7 +3,7 @@ free pages, reported through virtio-balloon, become such holes in the memory ima
 
 The first test punches through real FUSE mounts (both the main one and the memory mount); the second and
 third show that the pages the kernel writes back before each hole (every dirty page from the hole to the end
-of the file) do not wait for their chunks, which the flusher then fetches and flushes; the fourth runs the test guest under isr, frees memory in it and follows the
+of the file), and a guest's block writes to disk chunks not at the site, do not wait for their chunks, which the flusher then fetches and flushes; the fourth runs the test guest under isr, frees memory in it and follows the
 memory image's records as QEMU punches them, then resumes the checked-in parcel elsewhere and checks the
 guest's memory is intact.
 """
@@ -108,19 +108,23 @@ def punch_fd(fd: int, offset: int, length: int) -> None:
         raise OSError(ctypes.get_errno(), "fallocate")
 
 
+@pytest.mark.parametrize("image", ["memory", "disk"])
 def test_whole_pages_written_to_absent_chunks_do_not_wait_for_them(vulpes_binary: Path, isr_server: IsrServer,
-                                                                    tmp_path: Path) -> None:
-    """With the server out of reach, whole pages written to memory chunks that are not at this site (the
-    writeback before a hole) are taken at once and read back, and a hole over such a chunk makes it zeros;
-    back online, the first read of another page of such a chunk sees both, and fsync fetches what the
-    partial chunks still lack and makes every byte durable."""
+                                                                    tmp_path: Path, image: str) -> None:
+    """With the server out of reach, whole pages written to chunks that are not at this site (memory: the
+    writeback before a hole; disk: a guest's block writes at a fresh site) are taken at once and read back,
+    and a hole over such a chunk makes it zeros; back online, the first read of another page of such a chunk
+    sees both, and fsync fetches what the partial chunks still lack and makes every byte durable."""
     rng = random.Random(211)
-    memory = rng.randbytes(4 * MIB)                                    # 32 chunks, no two alike
-    state = make_state(tmp_path / "state", bytes(CHUNK_SIZE), 4 * MIB, memory=memory)
+    content = rng.randbytes(4 * MIB)                                   # 32 chunks, no two alike
+    if image == "memory":
+        state = make_state(tmp_path / "state", bytes(CHUNK_SIZE), 4 * MIB, memory=content)
+    else:
+        state = make_state(tmp_path / "state", content, 4 * MIB)
     state.publish(isr_server.store)
     cache, ram = tmp_path / "cache", tmp_path / "mnt-ram"
     ram.mkdir()
-    model = bytearray(memory)
+    model = bytearray(content)
     page = 4096
 
     def promptly(what: str, work: Callable[[], T]) -> T:
@@ -139,7 +143,7 @@ def test_whole_pages_written_to_absent_chunks_do_not_wait_for_them(vulpes_binary
 
     with Vulpes(vulpes_binary, tmp_path / "mnt", state, cache, server=isr_server.url,
                 token_file=isr_server.token_file, ca=isr_server.ca, extra=[f"--memory-mount={ram}"]) as v:
-        fd = os.open(ram / "memory", os.O_RDWR)
+        fd = os.open(ram / image, os.O_RDWR)       # the mount without readahead: reads of exactly these pages
         try:
             assert v.control({"op": "offline"})["ok"]
             writes = {(2, 3): 1, (10, 0): 1, (22, 31): 1, (27, 7): 3}  # (chunk, first page in it): pages
@@ -149,7 +153,7 @@ def test_whole_pages_written_to_absent_chunks_do_not_wait_for_them(vulpes_binary
                 assert promptly("a write", lambda: os.pwrite(fd, data, at)) == len(data)
                 model[at:at + len(data)] = data
             status = v.status()
-            assert status["images"]["memory"]["partial_chunks"] == 4
+            assert status["images"][image]["partial_chunks"] == 4
             assert status["flush"]["partial_chunks"] == 4
             for (chunk, first), pages in writes.items():
                 at = chunk * CHUNK_SIZE + first * page
@@ -170,12 +174,12 @@ def test_whole_pages_written_to_absent_chunks_do_not_wait_for_them(vulpes_binary
         finally:
             os.close(fd)
         status = v.status()
-        assert status["images"]["memory"]["partial_chunks"] == 0
-        assert status["images"]["memory"]["dirty_chunks"] == 0
-        assert read_all(v.path("memory")) == model
+        assert status["images"][image]["partial_chunks"] == 0
+        assert status["images"][image]["dirty_chunks"] == 0
+        assert read_all(v.path(image)) == model
     # Durable: a vulpes without a server reads every byte from the cache.
     with Vulpes(vulpes_binary, tmp_path / "mnt", state, cache) as v:
-        assert read_all(v.path("memory")) == model
+        assert read_all(v.path(image)) == model
 
 
 def test_the_flusher_fetches_partial_chunks_in_the_background_and_flushes_them(

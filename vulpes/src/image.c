@@ -55,7 +55,7 @@ enum {
 };
 
 /*
- * Partial chunks (image_set_partial_writes(); the memory image).  A write of whole pages to a chunk that is
+ * Partial chunks (image_set_partial_writes(); both images).  A write of whole pages to a chunk that is
  * neither in RAM nor in the cache does not wait for the chunk: the pages go into a buffer of the chunk's size,
  * a bitmap records which, the chunk is PARTIAL (and dirty), and its object is asked for at hoard priority.
  * Reads of written pages are served from it, reads of the others from the resume pack where it has them;
@@ -68,7 +68,8 @@ enum {
  * image, and before each hole the kernel writes back every dirty page of the file from the hole's start to
  * its end (fuse_writeback_range()), while QEMU waits in fallocate().  Each such page whose chunk was not here
  * cost a demand fetch of that chunk: at 10 Mbit/s +20 ms about 50 of them, one after another, before a
- * resumed guest answered (BENCHMARKS.md, "writes that do not wait for their chunk").
+ * resumed guest answered (BENCHMARKS.md, "writes that do not wait for their chunk").  On the disk, a guest at a
+ * fresh site writes its files' blocks into chunks it never read: each write waited for its chunk too.
  */
 #define PAGE_BYTES 4096u
 

@@ -78,9 +78,9 @@ void image_set_full_waits(Image *img, bool waits);
  * Whether a write of whole pages to a chunk that is not at this site (neither in RAM nor in the cache, and no
  * lookaside source) goes ahead without waiting for the chunk: the chunk holds the pages written, its object
  * is fetched at hoard priority, and a read of its other pages or a flush merges them in (image.c, "partial
- * chunks").  Meant for the memory image,
- * whose writes are the kernel's writeback of QEMU's mapping of it: an explicit flush (image_flush()) then
- * needs the server for such chunks, as their reads would.
+ * chunks").  vulpes sets it on both images (the memory image's writes are the kernel's writeback of QEMU's
+ * mapping of it; the disk's are the guest's block writes): an explicit flush (image_flush()) then needs the
+ * server for such chunks, as their reads would.
  */
 void image_set_partial_writes(Image *img, bool partial);
 
