@@ -152,9 +152,16 @@ def test_whole_pages_written_to_absent_chunks_do_not_wait_for_them(vulpes_binary
                 data = rng.randbytes(pages * page)
                 assert promptly("a write", lambda: os.pwrite(fd, data, at)) == len(data)
                 model[at:at + len(data)] = data
+            # The disk's unit is a sector: a guest's 1 KiB file system blocks, and runs of them.
+            sectors = [(5, 3072, 1024), (14, 1024, 5632)] if image == "disk" else []
+            for chunk, offset, length in sectors:
+                at = chunk * CHUNK_SIZE + offset
+                data = rng.randbytes(length)
+                assert promptly("a write of sectors", lambda: os.pwrite(fd, data, at)) == length
+                model[at:at + length] = data
             status = v.status()
-            assert status["images"][image]["partial_chunks"] == 4
-            assert status["flush"]["partial_chunks"] == 4
+            assert status["images"][image]["partial_chunks"] == 4 + len(sectors)
+            assert status["flush"]["partial_chunks"] == 4 + len(sectors)
             for (chunk, first), pages in writes.items():
                 at = chunk * CHUNK_SIZE + first * page
                 assert promptly("a read of pages written", lambda: read(fd, at, pages * page)) == \
@@ -167,6 +174,9 @@ def test_whole_pages_written_to_absent_chunks_do_not_wait_for_them(vulpes_binary
             assert v.control({"op": "online"})["ok"]
             # Another page of chunk 2 (fetched now), and the page written there.
             assert read(fd, 2 * CHUNK_SIZE, 4 * page) == model[2 * CHUNK_SIZE:2 * CHUNK_SIZE + 4 * page]
+            for chunk, offset, length in sectors:             # pages of sectors written and not
+                at = chunk * CHUNK_SIZE
+                assert read(fd, at, 2 * page) == model[at:at + 2 * page]
             # Part of a page: written into the chunk once it is here.
             assert os.pwrite(fd, b"part of a page", 16 * CHUNK_SIZE + 100) == 14
             model[16 * CHUNK_SIZE + 100:16 * CHUNK_SIZE + 114] = b"part of a page"

@@ -211,13 +211,14 @@ int daemon_new(const DaemonConfig *config, Daemon **ret) {
         /* The memory image's writes are the kernel's writeback of QEMU's mapping of it: refused, they would
          * be lost; without room they wait (the session pauses the VM).  The disk's fail with ENOSPC. */
         image_set_full_waits(d->images[DAEMON_IMAGE_MEMORY], true);
-        /* Writes of whole pages to a chunk that is not here need not wait for that chunk (image.c, "partial
-         * chunks"): the memory image's writeback before each hole QEMU punches covers every dirty page after
-         * the hole, and a guest at a fresh site writes its files' blocks into disk chunks it never read (at
-         * 100 Mbit/s +20 ms, 52-54 fetches one after another, 1.7 s of a 6.7 s workload).  A flush (the
-         * guest's, a suspend's) completes them: what it made durable is whole. */
-        image_set_partial_writes(d->images[DAEMON_IMAGE_MEMORY], true);
-        image_set_partial_writes(d->images[DAEMON_IMAGE_DISK], true);
+        /* Writes of whole pages (memory) or sectors (disk) to a chunk that is not here need not wait for
+         * that chunk (image.c, "partial chunks"): the memory image's writeback before each hole QEMU punches
+         * covers every dirty page after the hole, and a guest at a fresh site writes its files' blocks (1 KiB
+         * in the test guest) into disk chunks it never read (at 100 Mbit/s +20 ms, 52-54 fetches one after
+         * another, 1.7 s of a 6.7 s workload).  A flush (the guest's, a suspend's) completes them: what it
+         * made durable is whole. */
+        image_set_partial_writes(d->images[DAEMON_IMAGE_MEMORY], 4096);      /* a page */
+        image_set_partial_writes(d->images[DAEMON_IMAGE_DISK], 512);         /* a sector */
         r = cache_pins_restore(d, config->state_dir, !config->server_url);
         if (r < 0)
                 goto out_free;

@@ -21,7 +21,7 @@ typedef struct FetchConfig {
         const char *token_file;        /* bearer token; re-read when the server answers 401 */
         const char *ca_file;           /* PEM CA bundle or self-signed certificate; NULL: system CAs */
         const char *pinned_key;        /* curl pin ("sha256//<base64>" or a key file); NULL: none */
-        unsigned max_transfers;        /* concurrent transfers (HTTP/2 streams) */
+        unsigned max_transfers;        /* concurrent fetches (HTTP/2 streams); uploads have their own cap */
         unsigned hoard_transfers;      /* at most this many of them for hoarding */
         unsigned backoff_max_ms;       /* cap of the exponential backoff after a transient failure */
         bool offline;

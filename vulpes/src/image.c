@@ -55,7 +55,9 @@ enum {
 };
 
 /*
- * Partial chunks (image_set_partial_writes(); both images).  A write of whole pages to a chunk that is
+ * Partial chunks (image_set_partial_writes(); both images: "pages" below are its unit, 4 KiB pages for the
+ * memory image, 512-byte sectors for the disk, whose guest writes 1 KiB file system blocks).  A write of whole
+ * pages to a chunk that is
  * neither in RAM nor in the cache does not wait for the chunk: the pages go into a buffer of the chunk's size,
  * a bitmap records which, the chunk is PARTIAL (and dirty), and its object is asked for at hoard priority.
  * Reads of written pages are served from it, reads of the others from the resume pack where it has them;
@@ -71,7 +73,6 @@ enum {
  * resumed guest answered (BENCHMARKS.md, "writes that do not wait for their chunk").  On the disk, a guest at a
  * fresh site writes its files' blocks into chunks it never read: each write waited for its chunk too.
  */
-#define PAGE_BYTES 4096u
 
 #define NO_CHUNK INT64_C(-1)
 #define FLUSH_BATCH_BYTES ((size_t) 32 << 20)
@@ -151,7 +152,8 @@ struct Image {
         int flush_error;
         uint64_t object_max;               /* the room a dirty chunk reserves: its largest object */
         bool full_waits;                   /* without room, writes go ahead unreserved and wait at the RAM bound */
-        bool partial_writes;               /* writes of whole pages need not fetch their chunk (see above) */
+        uint32_t partial_unit;             /* writes of whole units of this many bytes need not fetch their
+                                            * chunk (see above); 0: off */
         uint64_t partial_chunks;           /* PARTIAL now */
 
         /* Readahead, under lock: the chunk after the last read, how far ahead is scheduled, the queue. */
@@ -424,23 +426,25 @@ static int load_unlocked(Image *img, uint64_t idx, FetchPriority priority, uint8
 
 /* --- partial chunks (see the top of this file) ------------------------------------------------------ */
 
+/* The units ("pages": img->partial_unit bytes, 4 KiB for the memory image, a 512-byte sector for the disk) of
+ * chunk idx, and the bitmap of those a PARTIAL chunk holds. */
 static size_t pages_of(const Image *img, uint64_t idx) {
-        return (length_of(img, idx) + PAGE_BYTES - 1) / PAGE_BYTES;
+        return (length_of(img, idx) + img->partial_unit - 1) / img->partial_unit;
 }
 
-/* Whether [in_chunk, in_chunk + len) of chunk idx is whole pages (the chunk's last page may be short). */
+/* Whether [in_chunk, in_chunk + len) of chunk idx is whole units (the chunk's last one may be short). */
 static bool whole_pages(const Image *img, uint64_t idx, size_t in_chunk, size_t len) {
-        return len > 0 && in_chunk % PAGE_BYTES == 0 &&
-               (len % PAGE_BYTES == 0 || in_chunk + len == length_of(img, idx));
+        return len > 0 && in_chunk % img->partial_unit == 0 &&
+               (len % img->partial_unit == 0 || in_chunk + len == length_of(img, idx));
 }
 
 static bool page_written(const Chunk *c, size_t page) {
         return c->written[page / 64] >> (page % 64) & 1;
 }
 
-/* How many pages of [in_chunk, in_chunk + len) of a PARTIAL chunk were written: 0, some (1) or all (2). */
-static int written_pages(const Chunk *c, size_t in_chunk, size_t len) {
-        size_t first = in_chunk / PAGE_BYTES, last = (in_chunk + len - 1) / PAGE_BYTES, n = 0;
+/* How many units of [in_chunk, in_chunk + len) of a PARTIAL chunk were written: 0, some (1) or all (2). */
+static int written_pages(const Image *img, const Chunk *c, size_t in_chunk, size_t len) {
+        size_t first = in_chunk / img->partial_unit, last = (in_chunk + len - 1) / img->partial_unit, n = 0;
 
         for (size_t p = first; p <= last; p++)
                 n += page_written(c, p);
@@ -453,7 +457,7 @@ static int written_pages(const Chunk *c, size_t in_chunk, size_t len) {
 static bool partial_write_wanted_locked(Image *img, uint64_t idx, size_t in_chunk, size_t len) {
         Chunk *c = &img->chunks[idx];
 
-        if (!img->partial_writes || !whole_pages(img, idx, in_chunk, len))
+        if (!img->partial_unit || !whole_pages(img, idx, in_chunk, len))
                 return false;
         if (c->state == CHUNK_PARTIAL)
                 return true;
@@ -515,9 +519,9 @@ static int partial_complete_locked(Image *img, uint64_t idx, FetchPriority prior
                 return r;
         for (size_t p = 0; p < pages_of(img, idx); p++)
                 if (!page_written(c, p)) {
-                        size_t at = p * PAGE_BYTES;
+                        size_t at = p * img->partial_unit;
 
-                        memcpy(c->data + at, base + at, len - at < PAGE_BYTES ? len - at : PAGE_BYTES);
+                        memcpy(c->data + at, base + at, len - at < img->partial_unit ? len - at : img->partial_unit);
                 }
         chunk_data_release(img, idx, base);
         partial_end_locked(img, idx);
@@ -865,7 +869,7 @@ ssize_t image_read_pin(Image *img, size_t len, uint64_t offset, struct iovec *io
                         done += piece;
                         continue;
                 }
-                if (c->state == CHUNK_PARTIAL && written_pages(c, in_chunk, piece) == 2) {
+                if (c->state == CHUNK_PARTIAL && written_pages(img, c, in_chunk, piece) == 2) {
                         c->pins++;
                         pthread_mutex_unlock(&img->lock);
                         iov[n++] = (struct iovec) { .iov_base = c->data + in_chunk, .iov_len = piece };
@@ -875,7 +879,7 @@ ssize_t image_read_pin(Image *img, size_t len, uint64_t offset, struct iovec *io
                 }
                 /* The pack holds what the chunk was at the suspend: for the pages not written since. */
                 if (c->state != CHUNK_READY && img->n_packs &&
-                    (!c->pack_stale || (c->state == CHUNK_PARTIAL && written_pages(c, in_chunk, piece) == 0))) {
+                    (!c->pack_stale || (c->state == CHUNK_PARTIAL && written_pages(img, c, in_chunk, piece) == 0))) {
                         const uint8_t *p = pack_find_locked(img, pos, piece);
 
                         if (p) {
@@ -1062,10 +1066,10 @@ ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset) {
                 /* Still PARTIAL, or being completed (since the reservation let go of the lock): its pages, not
                  * the object's, are what these now hold. */
                 if (c->written) {
-                        for (size_t p = in_chunk / PAGE_BYTES; p <= (in_chunk + piece - 1) / PAGE_BYTES; p++)
+                        for (size_t p = in_chunk / img->partial_unit; p <= (in_chunk + piece - 1) / img->partial_unit; p++)
                                 c->written[p / 64] |= UINT64_C(1) << (p % 64);
                         /* Every page written: whole, nothing to fetch (unless it is being completed already). */
-                        if (c->state == CHUNK_PARTIAL && written_pages(c, 0, n) == 2)
+                        if (c->state == CHUNK_PARTIAL && written_pages(img, c, 0, n) == 2)
                                 partial_end_locked(img, idx);
                 }
                 chunk_changed_locked(img, idx);
@@ -1689,9 +1693,11 @@ void image_set_full_waits(Image *img, bool waits) {
         pthread_mutex_unlock(&img->lock);
 }
 
-void image_set_partial_writes(Image *img, bool partial) {
+void image_set_partial_writes(Image *img, uint32_t unit) {
         pthread_mutex_lock(&img->lock);
-        img->partial_writes = partial;
+        /* A chunk no larger than a unit is written whole or read first anyway.  Chunk sizes are powers of
+         * two, so a smaller power of two divides each chunk (the last may be short). */
+        img->partial_unit = unit && !(unit & (unit - 1)) && unit < img->chunk_size ? unit : 0;
         pthread_mutex_unlock(&img->lock);
 }
 

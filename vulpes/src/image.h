@@ -75,14 +75,15 @@ Image *image_free(Image *img);
 void image_set_full_waits(Image *img, bool waits);
 
 /*
- * Whether a write of whole pages to a chunk that is not at this site (neither in RAM nor in the cache, and no
- * lookaside source) goes ahead without waiting for the chunk: the chunk holds the pages written, its object
- * is fetched at hoard priority, and a read of its other pages or a flush merges them in (image.c, "partial
- * chunks").  vulpes sets it on both images (the memory image's writes are the kernel's writeback of QEMU's
- * mapping of it; the disk's are the guest's block writes): an explicit flush (image_flush()) then needs the
- * server for such chunks, as their reads would.
+ * Whether a write of whole units of `unit` bytes (a power of two below the chunk size; else off) to a chunk
+ * that is not at this site (neither in RAM nor in the cache, and no lookaside source) goes ahead without
+ * waiting for the chunk: the chunk holds the units written, its object is fetched at hoard priority, and a
+ * read of its other units or a flush merges them in (image.c, "partial chunks").  vulpes sets it on both
+ * images (the memory image's writes are the kernel's writeback of QEMU's mapping of it, in pages; the disk's
+ * are the guest's block writes, in sectors): an explicit flush (image_flush()) then needs the server for such
+ * chunks, as their reads would.
  */
-void image_set_partial_writes(Image *img, bool partial);
+void image_set_partial_writes(Image *img, uint32_t unit);
 
 const char *image_name(const Image *img);
 uint64_t image_size(const Image *img);

@@ -30,7 +30,7 @@
 
 enum {
         UPLOAD_BATCH = 64,              /* trickle passes: tags listed at a time */
-        PARALLEL_FULL = 32,             /* full speed: handed to the fetcher at once (it caps what runs) */
+        PARALLEL_FULL = 64,             /* full speed: handed to the fetcher at once (it runs up to 32) */
         IDLE_POLL_MS = 1000,
 };
 
