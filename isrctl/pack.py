@@ -5,7 +5,7 @@ A resumed guest does not need all of each 128 KiB chunk it faults on: before it 
 touches about 1,500 pages (6 MiB) of its memory image, spread over 150-250 chunks (BENCHMARKS.md, "the
 memory mount and a page-exact resume pack"). QEMU maps the image from vulpes's memory mount, whose kernel
 readahead is off, so vulpes's trace records each page the guest faulted on, one 4 KiB read each; the first
-of those pages after a resume (`limit`: about a second of the link, `PACK_BYTES` to `PACK_BYTES_MAX`), read
+of those pages after a resume (`limit`: 1.5 s of the link, `PACK_BYTES` to `PACK_BYTES_MAX`), read
 back from the memory image at suspend, are the next resume's best prediction of what its guest touches first,
 as Firecracker's REAP records them (measured: 96 % of the pages the next guest touched in its first 10 s were
 among the first 2,048 of them). They are packed in touch order, each page in one part: a first part of
@@ -52,13 +52,19 @@ log = logging.getLogger(__name__)
 #: 10 Mbit/s, 8 MiB at 6.8 s, 16 MiB at 7.6-8.2 s, whose last parts the guest did not need yet and whose pages
 #: come again with their chunks.
 PACK_BYTES = 8 << 20
-#: The plaintext a pack holds at most (8,192 pages). On a fast link the guest reaches pages beyond the first
+#: The plaintext a pack holds at most (16,384 pages). On a fast link the guest reaches pages beyond the first
 #: 2,048 (30 chunk misses at 100 Mbit/s, one round trip each) while a longer pack would already be here: with
-#: 32 MiB the guest answered after 1.4 s instead of 2.4 s (BENCHMARKS.md, "a map in the resume pack").
-PACK_BYTES_MAX = 32 << 20
+#: 32 MiB the guest answered after 1.4 s instead of 2.4 s (BENCHMARKS.md, "a map in the resume pack"). And its
+#: work after the answer goes on touching pages its previous session touched: the test guest's whole session
+#: touched 37.8 MiB, and with all of it in the pack its workload at 100 Mbit/s took 4.2-5.3 s instead of
+#: 5.4-6.1 (46-50 memory chunk misses instead of 86; BENCHMARKS.md "disk writes that do not wait"). On a 10
+#: Mbit/s link a pack beyond `PACK_BYTES` made the answer later (12 MiB: 3.7-3.9 s against 2.8-3.0), which
+#: `limit` keeps from happening there.
+PACK_BYTES_MAX = 64 << 20
 #: A pack costs at most about this much of the link at the suspend that makes it (its upload: vulpes's peak
-#: rate is a lower bound of the link's, 4.4-11 MB/s at 100 Mbit/s), and may cost this much at a resume beyond
-#: its first `PACK_BYTES` (`Fetching`): on a 10 Mbit/s link 32 MiB would be 8 s at both ends.
+#: rate is a lower bound of the link's, 4.4-12 MB/s at 100 Mbit/s), and may cost this much at a resume beyond
+#: its first `PACK_BYTES` (`Fetching`): on a 10 Mbit/s link 32 MiB would be 8 s at both ends. With 3 s, a 10
+#: Mbit/s site made 12 MiB packs, whose guests answered 0.9 s later.
 PACK_LINK_SECONDS = 1.5
 #: Plaintext per byte on the link (measured: 8 MiB sealed to 2.6-3.0 MB, 32 MiB to 9-12 MB).
 PACK_RATIO = 2.8
