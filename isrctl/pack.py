@@ -57,7 +57,7 @@ PACK_BYTES = 8 << 20
 #: 32 MiB the guest answered after 1.4 s instead of 2.4 s (BENCHMARKS.md, "a map in the resume pack"). And its
 #: work after the answer goes on touching pages its previous session touched: the test guest's whole session
 #: touched 37.8 MiB, and with all of it in the pack its workload at 100 Mbit/s took 4.2-5.3 s instead of
-#: 5.4-6.1 (46-50 memory chunk misses instead of 86; BENCHMARKS.md "disk writes that do not wait"). On a 10
+#: 5.4-6.1 (46-50 memory chunk misses instead of 84-97; BENCHMARKS.md "disk writes that do not wait"). On a 10
 #: Mbit/s link a pack beyond `PACK_BYTES` made the answer later (12 MiB: 3.7-3.9 s against 2.8-3.0), which
 #: `limit` keeps from happening there.
 PACK_BYTES_MAX = 64 << 20

@@ -71,8 +71,8 @@ enum {
         /* Uploads running at once, beside the max_transfers fetches: each is an HTTP/1.1 request on a
          * connection of its own (transfer_setup()), so what a checkin moves is bound by how many are in
          * flight: with 12, the test guest's 653 PUTs (mean 38 KB) took 49 ms each at 100 Mbit/s +20 ms,
-         * 2.7 s for 24.8 MB that the link carries in 2.1 s (BENCHMARKS.md, "checkin with more uploads in
-         * flight"). */
+         * 2.7 s for 24.8 MB that the link carries in 2.1 s (BENCHMARKS.md, "disk writes that do not wait,
+         * uploads in flight"). */
         UPLOAD_TRANSFERS = 32,
         OBJECT_MAX = CHUNK_SIZE_MAX + CHUNK_OVERHEAD,
 };
