@@ -192,6 +192,7 @@ class FaultServer:
         self.requests: dict[str, int] = {}
         self.order: list[str] = []                 # the tags of the chunk GETs, in the order they came
         self.puts: list[str] = []
+        self.puts_running = self.puts_running_max = 0     # PUTs being answered now, and the most at once
         self.auth_failures = 0
         self._httpd: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -269,6 +270,16 @@ class FaultServer:
                 self._reply(200, bytes(data))
 
             def do_PUT(self) -> None:  # noqa: N802
+                with server._lock:
+                    server.puts_running += 1
+                    server.puts_running_max = max(server.puts_running_max, server.puts_running)
+                try:
+                    self._put()
+                finally:
+                    with server._lock:
+                        server.puts_running -= 1
+
+            def _put(self) -> None:
                 tag = self._check()
                 if tag is None:
                     return
