@@ -74,6 +74,15 @@ enum {
          * 2.7 s for 24.8 MB that the link carries in 2.1 s (BENCHMARKS.md, "disk writes that do not wait,
          * uploads in flight"). */
         UPLOAD_TRANSFERS = 32,
+        /* ...but on a slow link each of many uploads crawls, and one whose bytes all sit in the kernel's queue
+         * for LOW_SPEED_TIME_S without an answer times out: at 1 Mbit/s with 32 running, a 130 KB object had a
+         * 32nd of the link, 33 s, and the timeouts and reconnections cascaded.  So the objects in flight may
+         * hold what the link carries in UPLOAD_QUEUE_S at the fetches' peak rate (the links measured here are
+         * symmetric; an uplink slower than that is not measured), with UPLOAD_TRANSFERS_MIN running anyway,
+         * and UPLOAD_TRANSFERS_UNMEASURED until a rate is measured. */
+        UPLOAD_QUEUE_S = 8,
+        UPLOAD_TRANSFERS_MIN = 4,
+        UPLOAD_TRANSFERS_UNMEASURED = 12,
         OBJECT_MAX = CHUNK_SIZE_MAX + CHUNK_OVERHEAD,
 };
 
@@ -762,6 +771,22 @@ static unsigned background_limit_locked(Fetcher *f, uint64_t now) {
         return pace_background_limit(&f->pace, now);
 }
 
+/* Whether upload r may start now (see UPLOAD_TRANSFERS); with the lock held. */
+static bool upload_may_start_locked(Fetcher *f, const Request *r) {
+        uint64_t rate = pace_rate_peak(&f->pace), in_flight = r->body_len;
+
+        if (f->active_upload >= UPLOAD_TRANSFERS)
+                return false;
+        if (f->active_upload < UPLOAD_TRANSFERS_MIN)
+                return true;
+        if (!rate)
+                return f->active_upload < UPLOAD_TRANSFERS_UNMEASURED;
+        for (const Request *a = f->queues[QUEUE_ACTIVE].head; a; a = a->next)
+                if (a->kind == REQUEST_PUT)
+                        in_flight += a->body_len;
+        return in_flight <= rate * UPLOAD_QUEUE_S;
+}
+
 /* Starts every queued request that may start now; with the lock held.  Returns the µs until the next
  * backed-off request becomes ready (or a default poll interval). */
 static uint64_t start_ready_locked(Fetcher *f) {
@@ -782,7 +807,7 @@ static uint64_t start_ready_locked(Fetcher *f) {
                 while (r) {
                         Request *following = r->next;
 
-                        if (order[q] == QUEUE_UPLOAD ? f->active_upload >= UPLOAD_TRANSFERS
+                        if (order[q] == QUEUE_UPLOAD ? !upload_may_start_locked(f, r)
                                                      : f->active_demand + f->active_hoard >= f->config.max_transfers)
                                 break;
                         if ((order[q] == QUEUE_HOARD || order[q] == QUEUE_IDLE) && f->active_hoard >= hoard_limit)
