@@ -600,9 +600,10 @@ def test_uploads_go_over_connections_of_their_own(vulpes_binary: Path, isr_serve
 
 
 def test_uploads_run_many_at_once(vulpes_binary: Path, tmp_path: Path) -> None:
-    """An upload pass keeps more uploads in flight than the fetches' slots (up to 32, each on a connection of
-    its own, as many as the link's measured rate carries in 8 s): with 12, a checkin at 100 Mbit/s +20 ms was
-    bound by round trips (BENCHMARKS.md). A server that takes a second over each PUT sees them at once."""
+    """An upload pass keeps more uploads in flight than the fetches' slots, each on a connection of its own:
+    12 at first, one more after each that took less than 2 s, up to 32 (with 12, a checkin at 100 Mbit/s
+    +20 ms was bound by round trips: BENCHMARKS.md). A server that takes a second over each PUT sees 24 of
+    the 48 at once in the second wave."""
     content = random_image(8 * MIB, seed=137, data_fraction=1.0)
     state = make_state(tmp_path / "state", content, 1 * MIB)
     store = tmp_path / "store"
@@ -611,15 +612,10 @@ def test_uploads_run_many_at_once(vulpes_binary: Path, tmp_path: Path) -> None:
     try:
         with fault_vulpes(vulpes_binary, tmp_path, state, server, extra=["--max-transfers=8"]) as v:
             with open(v.path("disk"), "r+b", buffering=0) as f:
-                # The link's rate: vulpes measures what arrives over half a second or more.
-                assert f.read(4 * CHUNK_SIZE) == content[:4 * CHUNK_SIZE]
-                time.sleep(0.6)
-                assert f.read(4 * CHUNK_SIZE) == content[4 * CHUNK_SIZE:8 * CHUNK_SIZE]
                 for index in range(8, 56):
                     f.seek(index * CHUNK_SIZE)
                     f.write(random.Random(1000 + index).randbytes(CHUNK_SIZE))
                 os.fsync(f.fileno())
-            assert v.status()["fetch"]["rate_peak"] > 0
             server.delay = 1.0
             assert v.control({"op": "upload"}, timeout=120) == {"ok": True, "uploaded": 48}
         assert len(server.puts) == 48

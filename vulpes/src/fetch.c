@@ -75,16 +75,18 @@ enum {
          * uploads in flight"). */
         UPLOAD_TRANSFERS = 32,
         /* ...but on a slow link each of many uploads crawls, and one whose bytes all sit in the kernel's queue
-         * for LOW_SPEED_TIME_S without an answer times out: at 1 Mbit/s with 32 running, a 130 KB object had a
-         * 32nd of the link, 33 s, and the timeouts and reconnections cascaded.  So the objects in flight may
-         * hold what the link carries in UPLOAD_QUEUE_S at the fetches' peak rate (the links measured here are
-         * symmetric; an uplink slower than that is not measured), with UPLOAD_TRANSFERS_MIN running anyway,
-         * and UPLOAD_TRANSFERS_UNMEASURED until a rate is measured. */
-        UPLOAD_QUEUE_S = 8,
+         * for LOW_SPEED_TIME_S without an answer times out: at 1 Mbit/s with 32 running, a 131 KB object had a
+         * 32nd of the link, 33 s, and the timeouts and reconnections cascaded.  How many may run follows how
+         * long they take (upload_took()): one more after each that took less than UPLOAD_FAST_US, half as many
+         * (at most once per UPLOAD_SLOW_US, at least UPLOAD_TRANSFERS_MIN) after one that took longer than
+         * UPLOAD_SLOW_US or timed out; UPLOAD_TRANSFERS_START at first. */
+        UPLOAD_TRANSFERS_START = 12,
         UPLOAD_TRANSFERS_MIN = 4,
-        UPLOAD_TRANSFERS_UNMEASURED = 12,
         OBJECT_MAX = CHUNK_SIZE_MAX + CHUNK_OVERHEAD,
 };
+
+#define UPLOAD_FAST_US UINT64_C(2000000)
+#define UPLOAD_SLOW_US UINT64_C(8000000)
 
 typedef enum RequestKind {
         REQUEST_GET,
@@ -151,6 +153,8 @@ struct Fetcher {
         pthread_mutex_t lock;
         List queues[_QUEUE_MAX];
         unsigned active_demand, active_hoard, active_upload;   /* hoard: with idle ones */
+        unsigned upload_limit;             /* uploads that may run at once (UPLOAD_TRANSFERS) */
+        uint64_t upload_cut_us;            /* when upload_limit was last halved */
         Request *completing;               /* out of the lists, its waiters being called (fetch thread) */
         uint64_t last_demand_us;           /* a demand request was queued or finished */
         Pace pace;                         /* how many hoard transfers may run (on the fetch thread) */
@@ -771,20 +775,22 @@ static unsigned background_limit_locked(Fetcher *f, uint64_t now) {
         return pace_background_limit(&f->pace, now);
 }
 
-/* Whether upload r may start now (see UPLOAD_TRANSFERS); with the lock held. */
-static bool upload_may_start_locked(Fetcher *f, const Request *r) {
-        uint64_t rate = pace_rate_peak(&f->pace), in_flight = r->body_len;
-
-        if (f->active_upload >= UPLOAD_TRANSFERS)
-                return false;
-        if (f->active_upload < UPLOAD_TRANSFERS_MIN)
-                return true;
-        if (!rate)
-                return f->active_upload < UPLOAD_TRANSFERS_UNMEASURED;
-        for (const Request *a = f->queues[QUEUE_ACTIVE].head; a; a = a->next)
-                if (a->kind == REQUEST_PUT)
-                        in_flight += a->body_len;
-        return in_flight <= rate * UPLOAD_QUEUE_S;
+/* With the lock held: an upload ended after `took` µs (UINT64_MAX: it timed out); see UPLOAD_TRANSFERS. */
+static void upload_took(Fetcher *f, uint64_t took, uint64_t now) {
+        if (took > UPLOAD_SLOW_US) {
+                if (now - f->upload_cut_us > UPLOAD_SLOW_US) {
+                        f->upload_limit = f->upload_limit / 2 > UPLOAD_TRANSFERS_MIN ? f->upload_limit / 2
+                                                                                      : UPLOAD_TRANSFERS_MIN;
+                        f->upload_cut_us = now;
+                        if (took == UINT64_MAX)
+                                log_debug("uploads: one timed out, at most %u at once now", f->upload_limit);
+                        else
+                                log_debug("uploads: one took %.1f s, at most %u at once now", (double) took / 1e6,
+                                          f->upload_limit);
+                }
+        } else if (took < UPLOAD_FAST_US && f->upload_limit < UPLOAD_TRANSFERS) {
+                f->upload_limit++;
+        }
 }
 
 /* Starts every queued request that may start now; with the lock held.  Returns the µs until the next
@@ -807,7 +813,7 @@ static uint64_t start_ready_locked(Fetcher *f) {
                 while (r) {
                         Request *following = r->next;
 
-                        if (order[q] == QUEUE_UPLOAD ? !upload_may_start_locked(f, r)
+                        if (order[q] == QUEUE_UPLOAD ? f->active_upload >= f->upload_limit
                                                      : f->active_demand + f->active_hoard >= f->config.max_transfers)
                                 break;
                         if ((order[q] == QUEUE_HOARD || order[q] == QUEUE_IDLE) && f->active_hoard >= hoard_limit)
@@ -865,10 +871,13 @@ static void finished_transfers(Fetcher *f) {
                                   (double) (r->started_us - r->created_us) / 1e3, (double) ttfb / 1e3,
                                   (double) (now - r->started_us) / 1e3, f->active_demand, f->active_hoard, port);
                 } else if (done == 1 && result == 0) {
+                        uint64_t now = now_us();
+
                         log_debug("PUT %.12s %zu B: queued %.1f ms, done %.1f ms; running %u uploads; connection "
                                   "from port %ld",
                                   r->hex, r->body_len, (double) (r->started_us - r->created_us) / 1e3,
-                                  (double) (now_us() - r->started_us) / 1e3, f->active_upload, port);
+                                  (double) (now - r->started_us) / 1e3, f->active_upload, port);
+                        upload_took(f, now - r->started_us, now);
                 } else if (code == CURLE_OPERATION_TIMEDOUT) {
                         curl_off_t sent = 0, received = 0;
 
@@ -878,6 +887,8 @@ static void finished_transfers(Fetcher *f) {
                                   "%" CURL_FORMAT_CURL_OFF_T " received, on the connection from port %ld",
                                   r->kind == REQUEST_GET ? "GET" : "PUT", r->hex,
                                   (double) (now_us() - r->started_us) / 1e6, sent, received, port);
+                        if (r->kind == REQUEST_PUT)
+                                upload_took(f, UINT64_MAX, now_us());
                 }
                 transfer_cleanup(f, r);
                 (*active_of(f, r))--;
@@ -982,6 +993,7 @@ int fetch_new(const FetchConfig *config, Stats *stats, Fetcher **ret) {
         f->offline = config->offline;
         if (!f->config.max_transfers)
                 f->config.max_transfers = 16;
+        f->upload_limit = UPLOAD_TRANSFERS_START;
         if (!f->config.hoard_transfers || f->config.hoard_transfers > f->config.max_transfers)
                 f->config.hoard_transfers = f->config.max_transfers > 4 ? f->config.max_transfers - 4 : 1;
         pace_init(&f->pace, f->config.hoard_transfers);
