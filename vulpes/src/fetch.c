@@ -447,10 +447,10 @@ static int on_curl_debug(CURL *easy, curl_infotype type, char *text, size_t len,
 /*
  * An upload's new connection keeps at most UPLOAD_UNSENT bytes unsent in the kernel (TCP_NOTSENT_LOWAT), so
  * that what curl counts as sent is what the link is carrying: with the kernel's autotuned buffer a whole
- * object went into the socket at once and then, on a slow link shared with other uploads, sat there for
- * LOW_SPEED_TIME_S while curl saw no progress and gave up on a connection that was moving (at 1 Mbit/s
- * +20 ms: 131,100 bytes sent and 0 received after 25-55 s, while the sockets of such uploads held 38-115 KB
- * queued, with no retransmissions).  A socket that refuses it is used as it is.
+ * object went into the socket at once, and on a slow link shared with other uploads curl then saw no
+ * progress while it drained (at 1 Mbit/s +20 ms: 131,100 bytes sent and 0 received after 25-55 s, while the
+ * sockets of such uploads held 38-115 KB queued).  Timeouts remain there where one of several flows starves
+ * (64 KiB sent, then nothing for 45 s; BENCHMARKS.md).  A socket that refuses it is used as it is.
  */
 static int on_upload_socket(void *userdata, curl_socket_t fd, curlsocktype purpose) {
         int unsent = UPLOAD_UNSENT;
