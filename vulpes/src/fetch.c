@@ -77,9 +77,11 @@ enum {
         /* ...but on a slow link each of many uploads crawls, and one whose bytes all sit in the kernel's queue
          * for LOW_SPEED_TIME_S without an answer times out: at 1 Mbit/s with 32 running, a 131 KB object had a
          * 32nd of the link, 33 s, and the timeouts and reconnections cascaded.  How many may run follows how
-         * long they take (upload_took()): one more after each that took less than UPLOAD_FAST_US, half as many
-         * (at most once per UPLOAD_SLOW_US, at least UPLOAD_TRANSFERS_MIN) after one that took longer than
-         * UPLOAD_SLOW_US or timed out; UPLOAD_TRANSFERS_START at first. */
+         * long they take (upload_took()): one more after each that took less than UPLOAD_FAST_US and moved at
+         * least UPLOAD_FLOW_RATE (small objects finish fast even on a slow link: at 1 Mbit/s the limit grew to
+         * 26 on them, and some of those flows starved), half as many (at most once per UPLOAD_SLOW_US, at
+         * least UPLOAD_TRANSFERS_MIN) after one that took longer than UPLOAD_SLOW_US or timed out;
+         * UPLOAD_TRANSFERS_START at first. */
         UPLOAD_TRANSFERS_START = 12,
         UPLOAD_UNSENT = 16 * 1024,         /* see on_upload_socket() */
         UPLOAD_TRANSFERS_MIN = 4,
@@ -88,6 +90,7 @@ enum {
 
 #define UPLOAD_FAST_US UINT64_C(2000000)
 #define UPLOAD_SLOW_US UINT64_C(8000000)
+#define UPLOAD_FLOW_RATE UINT64_C(65536)   /* bytes/s */
 
 typedef enum RequestKind {
         REQUEST_GET,
@@ -794,8 +797,9 @@ static unsigned background_limit_locked(Fetcher *f, uint64_t now) {
         return pace_background_limit(&f->pace, now);
 }
 
-/* With the lock held: an upload ended after `took` µs (UINT64_MAX: it timed out); see UPLOAD_TRANSFERS. */
-static void upload_took(Fetcher *f, uint64_t took, uint64_t now) {
+/* With the lock held: an upload of `len` bytes ended after `took` µs (UINT64_MAX: it timed out); see
+ * UPLOAD_TRANSFERS. */
+static void upload_took(Fetcher *f, size_t len, uint64_t took, uint64_t now) {
         if (took > UPLOAD_SLOW_US) {
                 if (now - f->upload_cut_us > UPLOAD_SLOW_US) {
                         f->upload_limit = f->upload_limit / 2 > UPLOAD_TRANSFERS_MIN ? f->upload_limit / 2
@@ -807,7 +811,8 @@ static void upload_took(Fetcher *f, uint64_t took, uint64_t now) {
                                 log_debug("uploads: one took %.1f s, at most %u at once now", (double) took / 1e6,
                                           f->upload_limit);
                 }
-        } else if (took < UPLOAD_FAST_US && f->upload_limit < UPLOAD_TRANSFERS) {
+        } else if (took < UPLOAD_FAST_US && (uint64_t) len * 1000000 >= UPLOAD_FLOW_RATE * took &&
+                   f->upload_limit < UPLOAD_TRANSFERS) {
                 f->upload_limit++;
         }
 }
@@ -896,7 +901,7 @@ static void finished_transfers(Fetcher *f) {
                                   "from port %ld",
                                   r->hex, r->body_len, (double) (r->started_us - r->created_us) / 1e3,
                                   (double) (now - r->started_us) / 1e3, f->active_upload, port);
-                        upload_took(f, now - r->started_us, now);
+                        upload_took(f, r->body_len, now - r->started_us, now);
                 } else if (code == CURLE_OPERATION_TIMEDOUT) {
                         curl_off_t sent = 0, received = 0;
 
@@ -907,7 +912,7 @@ static void finished_transfers(Fetcher *f) {
                                   r->kind == REQUEST_GET ? "GET" : "PUT", r->hex,
                                   (double) (now_us() - r->started_us) / 1e6, sent, received, port);
                         if (r->kind == REQUEST_PUT)
-                                upload_took(f, UINT64_MAX, now_us());
+                                upload_took(f, r->body_len, UINT64_MAX, now_us());
                 }
                 transfer_cleanup(f, r);
                 (*active_of(f, r))--;
