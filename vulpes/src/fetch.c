@@ -83,8 +83,8 @@ enum {
          * least UPLOAD_TRANSFERS_MIN) after one that took longer than UPLOAD_SLOW_US or timed out;
          * UPLOAD_TRANSFERS_START at first. */
         UPLOAD_TRANSFERS_START = 12,
-        UPLOAD_UNSENT = 16 * 1024,         /* see on_upload_socket() */
         UPLOAD_TRANSFERS_MIN = 4,
+        UPLOAD_UNSENT = 16 * 1024,         /* see on_upload_socket() */
         OBJECT_MAX = CHUNK_SIZE_MAX + CHUNK_OVERHEAD,
 };
 
@@ -1002,6 +1002,7 @@ static void *fetch_thread(void *userdata) {
 
 int fetch_new(const FetchConfig *config, Stats *stats, Fetcher **ret) {
         Fetcher *f;
+        long connections;
         int r;
 
         /* Not thread-safe: the daemon makes its one fetcher before starting other threads. */
@@ -1049,8 +1050,9 @@ int fetch_new(const FetchConfig *config, Stats *stats, Fetcher **ret) {
         }
         curl_multi_setopt(f->multi, CURLMOPT_PIPELINING, (long) CURLPIPE_MULTIPLEX);
         /* The fetches' HTTP/2 connection (more only while one is being set up) and one per upload. */
-        curl_multi_setopt(f->multi, CURLMOPT_MAX_HOST_CONNECTIONS, (long) (f->config.max_transfers + UPLOAD_TRANSFERS));
-        curl_multi_setopt(f->multi, CURLMOPT_MAXCONNECTS, (long) (f->config.max_transfers + UPLOAD_TRANSFERS));
+        connections = (long) (f->config.max_transfers + UPLOAD_TRANSFERS);
+        curl_multi_setopt(f->multi, CURLMOPT_MAX_HOST_CONNECTIONS, connections);
+        curl_multi_setopt(f->multi, CURLMOPT_MAXCONNECTS, connections);
 
         r = -pthread_create(&f->thread, NULL, fetch_thread, f);
         if (r < 0)

@@ -451,6 +451,12 @@ static int written_pages(const Image *img, const Chunk *c, size_t in_chunk, size
         return n == 0 ? 0 : n == last - first + 1 ? 2 : 1;
 }
 
+/* Records the units of [in_chunk, in_chunk + len) of chunk c as written. */
+static void pages_written(const Image *img, Chunk *c, size_t in_chunk, size_t len) {
+        for (size_t p = in_chunk / img->partial_unit; p <= (in_chunk + len - 1) / img->partial_unit; p++)
+                c->written[p / 64] |= UINT64_C(1) << (p % 64);
+}
+
 /* With the lock held: whether a write of [in_chunk, in_chunk + len) of chunk idx goes into a PARTIAL chunk
  * (one already, or one it may start: not in RAM, with a record whose object is not in the cache, and only
  * a server to get it from) rather than through a fetch of the chunk. */
@@ -521,7 +527,8 @@ static int partial_complete_locked(Image *img, uint64_t idx, FetchPriority prior
                 if (!page_written(c, p)) {
                         size_t at = p * img->partial_unit;
 
-                        memcpy(c->data + at, base + at, len - at < img->partial_unit ? len - at : img->partial_unit);
+                        memcpy(c->data + at, base + at,
+                               len - at < img->partial_unit ? len - at : img->partial_unit);
                 }
         chunk_data_release(img, idx, base);
         partial_end_locked(img, idx);
@@ -1066,8 +1073,7 @@ ssize_t image_write(Image *img, const void *buf, size_t len, uint64_t offset) {
                 /* Still PARTIAL, or being completed (since the reservation let go of the lock): its pages, not
                  * the object's, are what these now hold. */
                 if (c->written) {
-                        for (size_t p = in_chunk / img->partial_unit; p <= (in_chunk + piece - 1) / img->partial_unit; p++)
-                                c->written[p / 64] |= UINT64_C(1) << (p % 64);
+                        pages_written(img, c, in_chunk, piece);
                         /* Every page written: whole, nothing to fetch (unless it is being completed already). */
                         if (c->state == CHUNK_PARTIAL && written_pages(img, c, 0, n) == 2)
                                 partial_end_locked(img, idx);
