@@ -624,6 +624,30 @@ def test_uploads_run_many_at_once(vulpes_binary: Path, tmp_path: Path) -> None:
         server.stop()
 
 
+def test_slow_uploads_run_fewer_at_once(vulpes_binary: Path, tmp_path: Path) -> None:
+    """On a slow link many uploads each crawl, and one that sits in the kernel's queue for 20 s times out: after
+    an upload that took more than 8 s, half as many run (12 at first here, then 6)."""
+    content = random_image(4 * MIB, seed=139, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    store = tmp_path / "store"
+    state.publish(store)
+    server = FaultServer(store, tmp_path).start()
+    try:
+        with fault_vulpes(vulpes_binary, tmp_path, state, server) as v:
+            with open(v.path("disk"), "r+b", buffering=0) as f:
+                for index in range(18):
+                    f.seek(index * CHUNK_SIZE)
+                    f.write(random.Random(2000 + index).randbytes(CHUNK_SIZE))
+                os.fsync(f.fileno())
+            server.delay = 8.5
+            assert v.control({"op": "upload"}, timeout=120) == {"ok": True, "uploaded": 18}
+        starts = server.puts_running_at_start
+        assert len(starts) == 18 and max(starts[:12]) == 12, starts
+        assert max(starts[12:]) <= 6, starts
+    finally:
+        server.stop()
+
+
 # --- control socket: hoard, offline, traces, writeback ---------------------------------------------------
 
 def test_hoard_then_offline(vulpes_binary: Path, isr_server: IsrServer, tmp_path: Path) -> None:

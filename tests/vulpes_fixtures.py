@@ -193,6 +193,7 @@ class FaultServer:
         self.order: list[str] = []                 # the tags of the chunk GETs, in the order they came
         self.puts: list[str] = []
         self.puts_running = self.puts_running_max = 0     # PUTs being answered now, and the most at once
+        self.puts_running_at_start: list[int] = []        # puts_running as each PUT came, itself included
         self.auth_failures = 0
         self._httpd: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -273,6 +274,7 @@ class FaultServer:
                 with server._lock:
                     server.puts_running += 1
                     server.puts_running_max = max(server.puts_running_max, server.puts_running)
+                    server.puts_running_at_start.append(server.puts_running)
                 try:
                     self._put()
                 finally:
