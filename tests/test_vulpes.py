@@ -599,53 +599,45 @@ def test_uploads_go_over_connections_of_their_own(vulpes_binary: Path, isr_serve
     assert not gets & set(puts), (gets, puts)
 
 
-def test_uploads_run_many_at_once(vulpes_binary: Path, tmp_path: Path) -> None:
-    """An upload pass keeps more uploads in flight than the fetches' slots, each on a connection of its own:
-    12 at first, one more after each that took less than 2 s, up to 32 (with 12, a checkin at 100 Mbit/s
-    +20 ms was bound by round trips: BENCHMARKS.md). A server that takes a second over each PUT sees 24 of
-    the 48 at once in the second wave."""
+def uploads_against_slow_server(vulpes_binary: Path, tmp_path: Path, chunks: int, delay: float,
+                                extra: list[str] | None = None) -> FaultServer:
+    """Write ``chunks`` whole disk chunks, then upload them all at once to a server that takes ``delay``
+    seconds over each PUT; the server afterwards (stopped), which counted the PUTs it answered at once."""
     content = random_image(8 * MIB, seed=137, data_fraction=1.0)
     state = make_state(tmp_path / "state", content, 1 * MIB)
     store = tmp_path / "store"
     state.publish(store)
     server = FaultServer(store, tmp_path).start()
     try:
-        with fault_vulpes(vulpes_binary, tmp_path, state, server, extra=["--max-transfers=8"]) as v:
+        with fault_vulpes(vulpes_binary, tmp_path, state, server, extra=extra or []) as v:
             with open(v.path("disk"), "r+b", buffering=0) as f:
-                for index in range(8, 56):
+                for index in range(chunks):
                     f.seek(index * CHUNK_SIZE)
                     f.write(random.Random(1000 + index).randbytes(CHUNK_SIZE))
                 os.fsync(f.fileno())
-            server.delay = 1.0
-            assert v.control({"op": "upload"}, timeout=120) == {"ok": True, "uploaded": 48}
-        assert len(server.puts) == 48
-        assert 12 < server.puts_running_max <= 32, server.puts_running_max
+            server.delay = delay
+            assert v.control({"op": "upload"}, timeout=120) == {"ok": True, "uploaded": chunks}
     finally:
         server.stop()
+    assert len(server.puts) == chunks
+    return server
+
+
+def test_uploads_run_many_at_once(vulpes_binary: Path, tmp_path: Path) -> None:
+    """An upload pass keeps more uploads in flight than the fetches' slots, each on a connection of its own:
+    12 at first, one more after each that took less than 2 s, up to 32 (with 12, a checkin at 100 Mbit/s
+    +20 ms was bound by round trips: BENCHMARKS.md). A server that takes a second over each PUT sees 24 of
+    the 48 at once in the second wave."""
+    server = uploads_against_slow_server(vulpes_binary, tmp_path, 48, 1.0, extra=["--max-transfers=8"])
+    assert 12 < server.puts_running_max <= 32, server.puts_running_max
 
 
 def test_slow_uploads_run_fewer_at_once(vulpes_binary: Path, tmp_path: Path) -> None:
     """On a slow link many uploads each crawl, and one that sits in the kernel's queue for 20 s times out: after
     an upload that took more than 8 s, half as many run (12 at first here, then 6)."""
-    content = random_image(4 * MIB, seed=139, data_fraction=1.0)
-    state = make_state(tmp_path / "state", content, 1 * MIB)
-    store = tmp_path / "store"
-    state.publish(store)
-    server = FaultServer(store, tmp_path).start()
-    try:
-        with fault_vulpes(vulpes_binary, tmp_path, state, server) as v:
-            with open(v.path("disk"), "r+b", buffering=0) as f:
-                for index in range(18):
-                    f.seek(index * CHUNK_SIZE)
-                    f.write(random.Random(2000 + index).randbytes(CHUNK_SIZE))
-                os.fsync(f.fileno())
-            server.delay = 8.5
-            assert v.control({"op": "upload"}, timeout=120) == {"ok": True, "uploaded": 18}
-        starts = server.puts_running_at_start
-        assert len(starts) == 18 and max(starts[:12]) == 12, starts
-        assert max(starts[12:]) <= 6, starts
-    finally:
-        server.stop()
+    starts = uploads_against_slow_server(vulpes_binary, tmp_path, 18, 8.5).puts_running_at_start
+    assert len(starts) == 18 and max(starts[:12]) == 12, starts
+    assert max(starts[12:]) <= 6, starts
 
 
 # --- control socket: hoard, offline, traces, writeback ---------------------------------------------------
