@@ -25,7 +25,9 @@ How it measures (doc/isrctl.md has the ISR timeline t1..t5):
 - The local baseline, once per run and RAM size: the same guest from a local copy of its disk, no network
   and no vulpes, runs the workload twice after a cold boot; the second run is T_local (site B's workload is
   the guest's second run too) and its block trace (QEMU trace events) feeds the chunksim policy model and
-  the chunk-size table.
+  the chunk-size table. Then it is saved to a local file and resumed from it in a new QEMU (all its RAM
+  loaded first) and runs the workload a third time: what any resume costs the workload here, where TCG
+  translates the guest's code again in a new QEMU (`workload_resumed_s`).
 - Per link rate: the bulk TCP goodput of the link (one connection, namespace to host, no proxy).
 - Per rate, RTT and RAM size: site A resumes a fresh parcel (a cold boot, demand fetch), runs the workload,
   suspends and checks in (t2); then, for each policy, a fresh site B (empty cache) hoards if the policy wants
@@ -62,7 +64,7 @@ from vulpes_common import link_bandwidth, machine, today
 
 import matrix_report  # noqa: E402
 from isrctl.policy import POLICIES as ISR_POLICIES  # noqa: E402
-from tools.guest import GuestArtifacts, booted_guest, build, copy_disk  # noqa: E402
+from tools.guest import GuestArtifacts, booted_guest, build, copy_disk, resumed_guest  # noqa: E402
 from parcels.keyring import Keyring  # noqa: E402
 from parcels.store import DirStore  # noqa: E402
 from tests.isr_fixtures import IsrEnv, NetSite, Parcel, Site, shaped_namespaces, start_isr_env  # noqa: E402
@@ -227,8 +229,11 @@ def touched(traces: Path, answered: float, finished: float) -> dict[str, dict[st
 
 def local_baseline(guest: GuestArtifacts, work: Path, ram: int, timeout: float) -> tuple[dict[str, Any], Trace]:
     """The workload on a local copy of the disk (no network, no vulpes): a cold boot, the workload once
-    (as site A runs it), then again (as site B does), block-traced; returns the times and the second run's
-    trace (with the data ranges at its start, for the model)."""
+    (as site A runs it), then again (as site B does), block-traced; then the guest is saved to a local file
+    and resumed from it in a new QEMU (its whole RAM loaded before it continues), and runs the workload a
+    third time: what any resume costs the workload here (a new QEMU translates the guest's code again under
+    TCG), with nothing fetched and no page faults. Returns the times and the second run's trace (with the
+    data ranges at its start, for the model)."""
     work.mkdir(parents=True, exist_ok=True)
     disk = copy_disk(guest.disk, work / "disk.img")
     pristine = scan_data_ranges(disk)
@@ -243,13 +248,21 @@ def local_baseline(guest: GuestArtifacts, work: Path, ram: int, timeout: float) 
         second = time.monotonic() - started
         end = time.time()
         boot = booted.boot_seconds
+        state = work / "local-state.zst"
+        booted.vm.save_state(state, sync=False)
+    with resumed_guest(guest, disk, state, run_dir=work, name="local-resumed", memory_mib=ram) as resumed:
+        started = time.monotonic()
+        check_workload(resumed.console.run_workload(timeout=timeout), guest)
+        after_resume = time.monotonic() - started
+    state.unlink()
     with open(log, encoding="utf-8", errors="replace") as f:
         records = read_qemu_log(f)
     trace = Trace(name=f"testwork-local-{ram}M", accesses=window(records, wall, end), metadata={
         "workload": "testwork (run.sh), second run after a cold boot", "image": "disk",
         "image_size": str(disk.stat().st_size), "data_ranges": format_ranges(data_ranges_at(pristine, records, wall))})
     disk.unlink()
-    return {"boot_s": boot, "workload_first_s": first, "workload_s": second, "trace_requests": len(trace.accesses),
+    return {"boot_s": boot, "workload_first_s": first, "workload_s": second,
+            "workload_resumed_s": after_resume, "trace_requests": len(trace.accesses),
             "trace_seconds": trace.duration}, trace
 
 

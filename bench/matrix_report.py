@@ -123,7 +123,10 @@ def write(made: dict[str, str]) -> None:
 def timeline(results: dict[str, Any]) -> str:
     local = ", ".join(
         f"{ram} MiB RAM: boot {num(v.get('boot_s'))} s, workload {num(v.get('workload_first_s'))} s the first "
-        f"time and {num(v.get('workload_s'))} s the second" if v.get("status") == "ok" else f"{ram} MiB: {v['status']}"
+        f"time and {num(v.get('workload_s'))} s the second"
+        + (f", {num(v['workload_resumed_s'])} s after a local resume (saved to a file, all RAM loaded)"
+           if v.get("workload_resumed_s") else "")
+        if v.get("status") == "ok" else f"{ram} MiB: {v['status']}"
         for ram, v in results["local"].items())
     links = ", ".join(f"{rate} Mbit/s: {rate_text(v['goodput_mbit'])}" if v.get("status") == "ok"
                       else f"{rate} Mbit/s: {v['status']}" for rate, v in results["links"].items())
