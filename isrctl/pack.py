@@ -76,6 +76,9 @@ FIRST_PART_BYTES = 1 << 20
 #: "demand first"). Waiting for the guest to stop missing instead starved the pack (its misses hardly stop
 #: before it answers) and doubled the time to the answer.
 PART_BYTES = 256 << 10
+#: What must have crossed in one request before its pace says what the link carries (vulpes's peak rate,
+#: which decides whether the pack's chunks come at once: `Vulpes.preload_end`).
+RATE_BYTES_MIN = 1 << 20
 #: How long a suspend lets the guest run on once its mapped pages are dropped (vulpes's ``invalidate``), so that
 #: the trace records the pages it is using at the end, not only those it touched first after its resume. The
 #: test guest's idle touches come in bursts up to 0.8 s apart (a task that wakes every second); of the pages a
@@ -341,6 +344,7 @@ class Fetching:
         self._go = threading.Event()
         if not hold:
             self._go.set()
+        self.rate = 0                  # bytes/s the link carried while the parts came (0: not measured)
         self._thread = threading.Thread(target=self._run, name="resume-pack-fetch", daemon=True)
         self._thread.start()
 
@@ -358,11 +362,15 @@ class Fetching:
                     started += time.monotonic() - held      # the pace is the link's, not the hold's
                 if self._stop.is_set() or not batch:
                     break
+                asked, crossed = time.monotonic(), 0
                 with contextlib.closing(self._remote.get_blobs(self._state.parcel, manifest.version, batch)) \
                         as arriving:
                     for name, sealed in arriving:
                         if self._stop.is_set():
                             return
+                        crossed += len(sealed)
+                        if crossed >= RATE_BYTES_MIN:       # enough to say what the link carries
+                            self.rate = max(self.rate, int(crossed / max(time.monotonic() - asked, 1e-3)))
                         payload = open_blob(self._keys.parcel_key, sealed, manifest, name, stream=stream)
                         part = sum(extent.length for extent, _ in resumepack.decode(payload, size))
                         self._queue.put((name, payload, part, len(sealed)))

@@ -1039,10 +1039,13 @@ class Session:
                 finally:
                     fetching.close()
                     with contextlib.suppress(IsrError):
-                        vulpes.preload_end("memory")     # no read waits for a part that will not come
+                        vulpes.preload_end("memory", fetching.rate)     # no read waits for a part now
                     self._pack_loaded.set()
 
             threading.Thread(target=rest, name="resume-pack", daemon=True).start()
+        else:
+            with contextlib.suppress(IsrError):
+                self.vulpes.preload_end("memory", fetching.rate)    # the whole pack is here
 
     def _watch_recent_pages(self, answers: concurrent.futures.Future[bool] | None) -> float | None:
         """Let the guest run `pack.RECENT_SECONDS` more with its mapped pages dropped, so that the trace records

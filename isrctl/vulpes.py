@@ -277,9 +277,14 @@ class Vulpes:
         finally:
             os.close(fd)
 
-    def preload_end(self, image: str) -> None:
-        """No more parts of the resume pack of ``image`` will come: vulpes stops waiting for them."""
-        self.control({"op": "preload", "image": image, "end": True})
+    def preload_end(self, image: str, rate: int = 0) -> None:
+        """No more parts of the resume pack of ``image`` will come: vulpes stops waiting for them, and on a
+        fast link fetches the chunks that hold the pack's pages (doc/vulpes.md). ``rate``: the bytes/s the link
+        carried while the parts came (0: not measured)."""
+        request: dict[str, Any] = {"op": "preload", "image": image, "end": True}
+        if rate > 0:
+            request["rate"] = int(rate)
+        self.control(request)
 
     def invalidate(self, image: str) -> None:
         """Drop the kernel's cached pages of ``image`` (also those QEMU maps): each next touch faults again and

@@ -168,7 +168,8 @@ static json_t *op_invalidate(Control *c, json_t *request) {
 /*
  * {"op": "preload", "image": "memory", "path": P, "part": N}: part N (default 0) of the resume pack of an
  * image, read from P (isr passes a memfd as /proc/<pid>/fd/<n>, so the plaintext never touches a disk).
- * {"op": "preload", "image": "memory", "end": true}: no more parts will come.
+ * {"op": "preload", "image": "memory", "end": true, "rate": R}: no more parts will come; they came at R bytes/s
+ * (optional).
  */
 static json_t *op_preload(Control *c, json_t *request) {
         const char *path = json_string_value(json_object_get(request, "path"));
@@ -179,7 +180,12 @@ static json_t *op_preload(Control *c, json_t *request) {
         int r;
 
         if (img && json_is_true(json_object_get(request, "end"))) {
-                image_preload_end(img);
+                json_t *rate = json_object_get(request, "rate");
+
+                if (rate && (!json_is_integer(rate) || json_integer_value(rate) < 0))
+                        return error_response("preload's \"rate\" is the link's bytes per second, a whole number "
+                                              "of 0 or more");
+                image_preload_end(img, rate ? (uint64_t) json_integer_value(rate) : 0);
                 return ok_response();
         }
         if (!img || !path || (part && (!json_is_integer(part) || json_integer_value(part) < 0 ||

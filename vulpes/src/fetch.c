@@ -100,6 +100,8 @@ typedef enum RequestKind {
 /* The queues: one per priority for GETs, one for uploads, and the running transfers. */
 enum {
         QUEUE_DEMAND = FETCH_DEMAND,
+        QUEUE_AHEAD = FETCH_AHEAD,
+        QUEUE_SOON = FETCH_SOON,
         QUEUE_HOARD = FETCH_HOARD,
         QUEUE_IDLE = FETCH_IDLE,
         QUEUE_UPLOAD,
@@ -218,7 +220,7 @@ static void request_move(Fetcher *f, Request *r, int queue) {
 }
 
 static Request *get_find(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN]) {
-        static const int searched[] = { QUEUE_DEMAND, QUEUE_HOARD, QUEUE_IDLE, QUEUE_ACTIVE };
+        static const int searched[] = { QUEUE_DEMAND, QUEUE_AHEAD, QUEUE_SOON, QUEUE_HOARD, QUEUE_IDLE, QUEUE_ACTIVE };
         Request *c = f->completing;
 
         for (size_t i = 0; i < sizeof(searched) / sizeof(searched[0]); i++)
@@ -747,7 +749,7 @@ bad_bytes:
 }
 
 static const char *priority_name(FetchPriority p) {
-        static const char *const names[] = { "demand", "hoard", "idle" };
+        static const char *const names[] = { "demand", "ahead", "soon", "hoard", "idle" };
 
         return (unsigned) p < _FETCH_PRIORITY_MAX ? names[p] : "?";
 }
@@ -821,8 +823,14 @@ static void upload_took(Fetcher *f, size_t len, uint64_t took, uint64_t now) {
  * backed-off request becomes ready (or a default poll interval). */
 static uint64_t start_ready_locked(Fetcher *f) {
         uint64_t now = now_us(), next = 1000000, wait;
-        static const int order[] = { QUEUE_DEMAND, QUEUE_UPLOAD, QUEUE_HOARD, QUEUE_IDLE };
+        static const int order[] = { QUEUE_DEMAND, QUEUE_UPLOAD, QUEUE_AHEAD, QUEUE_SOON, QUEUE_HOARD, QUEUE_IDLE };
         unsigned hoard_limit = background_limit_locked(f, now);
+        /* Readahead is what a guest reading sequentially asks for next (its misses are these chunks, one
+         * round trip each, if they queue behind the hoard), and so is what a resumed guest will likely touch
+         * soon (image.c): the pacer's window, and while a guest waits a whole bandwidth-delay product where
+         * the hoard keeps to half (pace_ahead_limit()). */
+        unsigned ahead_limit = idle_may_start_locked(f, now, &wait) ? pace_background_limit(&f->pace, now)
+                                                                    : pace_ahead_limit(&f->pace, now);
 
         if (f->offline)
                 return next;
@@ -841,6 +849,8 @@ static uint64_t start_ready_locked(Fetcher *f) {
                                                      : f->active_demand + f->active_hoard >= f->config.max_transfers)
                                 break;
                         if ((order[q] == QUEUE_HOARD || order[q] == QUEUE_IDLE) && f->active_hoard >= hoard_limit)
+                                break;
+                        if ((order[q] == QUEUE_AHEAD || order[q] == QUEUE_SOON) && f->active_hoard >= ahead_limit)
                                 break;
                         if (r->not_before_us > now) {
                                 if (r->not_before_us - now < next)
@@ -892,7 +902,9 @@ static void finished_transfers(Fetcher *f) {
                         log_debug("GET %.12s %s %zu B: queued %.1f ms, first byte %.1f ms, done %.1f ms; "
                                   "running %u demand, %u background; connection from port %ld",
                                   r->hex, priority_name(r->priority), r->body_len,
-                                  (double) (r->started_us - r->created_us) / 1e3, (double) ttfb / 1e3,
+                                  r->started_us > r->created_us ? (double) (r->started_us - r->created_us) / 1e3
+                                                                : 0.0,
+                                  (double) ttfb / 1e3,
                                   (double) (now - r->started_us) / 1e3, f->active_demand, f->active_hoard, port);
                 } else if (done == 1 && result == 0) {
                         uint64_t now = now_us();
@@ -1139,7 +1151,11 @@ int fetch_get(Fetcher *f, const uint8_t tag[FETCH_TAG_LEN], FetchPriority priori
                 w->next = r->waiters;
                 r->waiters = w;
                 if (priority < r->priority && r != f->completing) {
-                        /* A guest now waits for what was a background request: it jumps the queue. */
+                        /* A guest now waits for what was a background request: it jumps the queue, and its
+                         * latency (the statistics, the debug log's "queued") counts from now, from when a
+                         * guest started waiting for it. */
+                        if (priority == FETCH_DEMAND)
+                                r->created_us = now_us();
                         if (r->queue != QUEUE_ACTIVE) {
                                 request_move(f, r, (int) priority);
                                 r->priority = priority;
@@ -1275,6 +1291,21 @@ void fetch_set_offline(Fetcher *f, bool offline) {
         curl_multi_wakeup(f->multi);
 }
 
+unsigned fetch_ahead_limit(Fetcher *f) {
+        unsigned n;
+
+        pthread_mutex_lock(&f->lock);
+        n = pace_ahead_limit(&f->pace, now_us());
+        pthread_mutex_unlock(&f->lock);
+        return n;
+}
+
+void fetch_note_rate(Fetcher *f, uint64_t rate) {
+        pthread_mutex_lock(&f->lock);
+        pace_note_peak(&f->pace, rate);
+        pthread_mutex_unlock(&f->lock);
+}
+
 void fetch_status(Fetcher *f, FetchStatus *ret) {
         uint64_t now = now_us(), oldest = 0;
 
@@ -1282,6 +1313,8 @@ void fetch_status(Fetcher *f, FetchStatus *ret) {
         pthread_mutex_lock(&f->lock);
         ret->offline = f->offline;
         ret->queued[FETCH_DEMAND] = f->queues[QUEUE_DEMAND].n;
+        ret->queued[FETCH_AHEAD] = f->queues[QUEUE_AHEAD].n;
+        ret->queued[FETCH_SOON] = f->queues[QUEUE_SOON].n;
         ret->queued[FETCH_HOARD] = f->queues[QUEUE_HOARD].n;
         ret->queued[FETCH_IDLE] = f->queues[QUEUE_IDLE].n;
         ret->active = f->queues[QUEUE_ACTIVE].n;

@@ -11,6 +11,9 @@
 
 typedef enum FetchPriority {
         FETCH_DEMAND,       /* a guest read is waiting */
+        FETCH_AHEAD,        /* the chunks just after a guest's sequential reads: before any other background */
+        FETCH_SOON,         /* what a resumed guest will likely touch soon: its resume pack's chunks (once the pack
+                             * is in), the chunks after its faults in its memory */
         FETCH_HOARD,        /* background prefetch: only when no demand request is ready to start */
         FETCH_IDLE,         /* background that waits until no guest has waited for a while (fetch.c) */
         _FETCH_PRIORITY_MAX,
@@ -86,3 +89,11 @@ void fetch_set_full_speed(Fetcher *f, bool on);
 void fetch_set_offline(Fetcher *f, bool offline);
 
 void fetch_status(Fetcher *f, FetchStatus *ret);
+
+/* How many readahead and soon transfers may run while a guest waits (pace_ahead_limit()): 0 on a link too
+ * slow for a whole object in a bandwidth-delay product, where any background delays each of its misses. */
+unsigned fetch_ahead_limit(Fetcher *f);
+
+/* The link carried `rate` bytes/s over a stream vulpes did not fetch itself (the resume pack): its peak rate
+ * (status `rate_peak`) is at least that. */
+void fetch_note_rate(Fetcher *f, uint64_t rate);

@@ -107,21 +107,38 @@ uint64_t pace_rate_peak(const Pace *p) {
         return p->rate_peak;
 }
 
+void pace_note_peak(Pace *p, uint64_t rate) {
+        if (rate > p->rate_peak)
+                p->rate_peak = rate;
+}
+
 uint64_t pace_object_time_us(const Pace *p, uint64_t now_us) {
         uint64_t rate = pace_rate(p, now_us);
 
         return rate ? (uint64_t) (p->object_bytes * 1e6 / (double) rate) : 0;
 }
 
-unsigned pace_demand_limit(const Pace *p, uint64_t now_us) {
-        uint64_t rate = pace_rate(p, now_us), rtt = pace_rtt_min_us(p);
+/* The objects that fit in rate * rtt_min / divisor, at most pace_background_limit(); one before anything is
+ * measured, as on a slow link before. */
+static unsigned bdp_limit(const Pace *p, uint64_t now_us, uint64_t rate, double divisor) {
+        uint64_t rtt = pace_rtt_min_us(p);
         unsigned limit = pace_background_limit(p, now_us);
         double n;
 
         if (!rate || !rtt || p->object_bytes < 1)
-                return 1;               /* nothing measured yet: one, as on a slow link before */
-        n = (double) rate * (double) rtt / 2e6 / p->object_bytes;
+                return 1;
+        n = (double) rate * (double) rtt / 1e6 / divisor / p->object_bytes;
         return n < (double) limit ? (unsigned) n : limit;
+}
+
+unsigned pace_demand_limit(const Pace *p, uint64_t now_us) {
+        return bdp_limit(p, now_us, pace_rate(p, now_us), 2.0);
+}
+
+unsigned pace_ahead_limit(const Pace *p, uint64_t now_us) {
+        /* By the link's sustained rate: the last second's, over a few round trips, catches a token bucket's
+         * burst (5 MB/s on a 10 Mbit/s link), and then allowed two objects there while a guest waited. */
+        return bdp_limit(p, now_us, pace_rate_peak(p), 1.0);
 }
 
 unsigned pace_background_limit(const Pace *p, uint64_t now_us) {

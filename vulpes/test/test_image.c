@@ -434,7 +434,7 @@ static void test_resume_pack_map_waits(void **state) {
         assert_true(st.pack_waits >= 1);
         assert_int_equal(st.pack_parts, 2);
         /* After the end, a read of part 2 (now next) does not wait. */
-        image_preload_end(img);
+        image_preload_end(img, 0);
         assert_int_equal(image_read(img, data, 10, 6 * CS), -EIO);
 
         /* A pack whose parts stop coming: the read waits PACK_STALL_MS after the last part, then fetches. */
