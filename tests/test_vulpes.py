@@ -764,7 +764,7 @@ def test_readahead_overtakes_hoard(vulpes_binary: Path, tmp_path: Path) -> None:
 def test_the_resume_packs_chunks_come_once_the_pack_is_in_on_a_fast_link(vulpes_binary: Path,
                                                                           tmp_path: Path) -> None:
     """When the last part of a resume pack is in (`preload` with `end`), vulpes fetches the chunks that hold
-    its pages, in the pack's order, before the guest reads their other pages (at the previous site its guest
+    its pages before the guest reads their other pages (at the previous site its guest
     went on to read them: 33-44 misses of the test workload at 100 Mbit/s +20 ms were such pages); none
     before the end (the pack's parts have the link), and no other chunk. Only on a link where two objects fit
     in a bandwidth-delay product: on a slower one (10 Mbit/s) they delayed the guest's answer."""
@@ -805,7 +805,8 @@ def test_the_resume_packs_chunks_come_once_the_pack_is_in_on_a_fast_link(vulpes_
                     wait_until(lambda: len(server.order) >= 4, 30, "the pack's chunks")
                 else:
                     time.sleep(1.0)
-                assert server.order == disk + fetched, (rate, server.order)
+                # (Asked for in the pack's order, several at once: the server may see them in any.)
+                assert server.order[:1] == disk and sorted(server.order[1:]) == sorted(fetched), (rate, server.order)
                 for at in pages:                                   # the pack's chunks read whole and right
                     chunk = at // CHUNK_SIZE * CHUNK_SIZE
                     with open(v.path("memory"), "rb", buffering=0) as f:

@@ -90,9 +90,9 @@ void fetch_set_offline(Fetcher *f, bool offline);
 
 void fetch_status(Fetcher *f, FetchStatus *ret);
 
-/* How many readahead and soon transfers may run while a guest waits (pace_ahead_limit()): 0 on a link too
- * slow for a whole object in a bandwidth-delay product, where any background delays each of its misses. */
-unsigned fetch_ahead_limit(Fetcher *f);
+/* The link's bandwidth-delay product as the pacer measured it: its peak rate times the lowest round trip,
+ * bytes (0: not measured yet). */
+uint64_t fetch_bdp_bytes(Fetcher *f);
 
 /* The link carried `rate` bytes/s over a stream vulpes did not fetch itself (the resume pack): its peak rate
  * (status `rate_peak`) is at least that. */

@@ -651,12 +651,14 @@ static void prefetch(Image *img, const KeyringRecord *rec, FetchPriority priorit
 }
 
 /*
- * Whether the link is fast enough for a resumed guest's likely chunks to come while it waits for others:
- * two objects fit in a bandwidth-delay product (fetch_ahead_limit()).  At 100 Mbit/s +20 ms four or five do;
- * at 10 Mbit/s none or one, and with them there the guest answered after 4.3-4.6 s instead of 2.8-3.2.
+ * Whether the link is fast enough for a resumed guest's likely chunks to come while it waits for others: a
+ * whole chunk fits in its bandwidth-delay product (at 100 Mbit/s +20 ms, 180-270 KB; at 10 Mbit/s 25-50 KB,
+ * where with them the guest answered after 4.3-4.6 s instead of 2.8-3.2, and its workload took 14-17 s
+ * instead of 12-13).  A measure of objects in flight (their mean size, a few kilobytes to a chunk) did not
+ * tell the two links apart reliably.
  */
 static bool fast_link(Image *img) {
-        return img->src.fetcher && fetch_ahead_limit(img->src.fetcher) >= 2;
+        return img->src.fetcher && fetch_bdp_bytes(img->src.fetcher) >= img->chunk_size;
 }
 
 /*
@@ -887,8 +889,8 @@ void image_preload_end(Image *img, uint64_t rate) {
          * The guest went on to touch other pages of the pack's chunks at its previous site too, and at the
          * next: at 100 Mbit/s +20 ms its misses in the workload were all such pages (33-44 round trips), with
          * these chunks in the working set's stream at idle priority, which a guest that misses now and then
-         * holds back.  They come now, before the rest of the background, where the link is fast enough for
-         * background while a guest waits.  On a slower one they are whole chunks for a few pages each (at
+         * holds back.  They come now, before the rest of the background, where the link is fast enough
+         * (fast_link()).  On a slower one they are whole chunks for a few pages each (at
          * 10 Mbit/s +20 ms, 13-16 MB for an 8 MiB pack: the guest answered after 4.3-4.6 s instead of
          * 2.8-3.2), and stay in the working set's stream.
          */

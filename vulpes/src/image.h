@@ -133,9 +133,9 @@ void image_read_release(Image *img, const struct iovec *iov, size_t n, uint64_t 
 int image_preload(Image *img, uint8_t *payload, size_t len, uint32_t part);
 /*
  * No more parts will come: no read waits for one any more.  `rate` (bytes/s, 0: not known) is what the link
- * carried while the parts came (the fetcher's peak rate is at least that).  On a link fast enough for
- * background while a guest waits (fetch_ahead_limit()), the chunks that hold the pack's pages and are not
- * here are asked for, in the pack's order, at FETCH_SOON.
+ * carried while the parts came (the fetcher's peak rate is at least that).  On a link whose bandwidth-delay
+ * product holds a whole chunk (fetch_bdp_bytes()), the chunks that hold the pack's pages and are not here are
+ * asked for, in the pack's order, at FETCH_SOON.
  */
 void image_preload_end(Image *img, uint64_t rate);
 
