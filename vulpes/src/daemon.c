@@ -411,10 +411,12 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
                 fetch_status(d->fetcher, &fs);
                 fprintf(f,
                         ",\"server\":true,\"offline\":%s,\"waiting\":%s,\"waiting_seconds\":%llu,\"queued_demand\":%u,"
-                        "\"queued_ahead\":%u,\"queued_soon\":%u,\"queued_hoard\":%u,\"queued_idle\":%u,\"active\":%u,\"active_hoard\":%u,\"hoard_limit\":%u,"
+                        "\"queued_ahead\":%u,\"queued_soon\":%u,\"queued_hoard\":%u,\"queued_idle\":%u,\"active\":%u,"
+                        "\"active_hoard\":%u,\"hoard_limit\":%u,"
                         "\"rtt_min_us\":%llu,\"rate\":%llu,\"rate_peak\":%llu,\"uploads_queued\":%u,\"last_error\":",
                         fs.offline ? "true" : "false", fs.waiting ? "true" : "false", U(fs.waiting_seconds),
-                        fs.queued[FETCH_DEMAND], fs.queued[FETCH_AHEAD], fs.queued[FETCH_SOON], fs.queued[FETCH_HOARD], fs.queued[FETCH_IDLE], fs.active, fs.active_hoard, fs.hoard_limit,
+                        fs.queued[FETCH_DEMAND], fs.queued[FETCH_AHEAD], fs.queued[FETCH_SOON], fs.queued[FETCH_HOARD],
+                        fs.queued[FETCH_IDLE], fs.active, fs.active_hoard, fs.hoard_limit,
                         U(fs.rtt_min_us), U(fs.rate), U(fs.rate_peak), fs.uploads);
                 json_string(f, fs.last_error);
         } else {

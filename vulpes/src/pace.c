@@ -136,8 +136,8 @@ unsigned pace_demand_limit(const Pace *p, uint64_t now_us) {
 }
 
 unsigned pace_ahead_limit(const Pace *p, uint64_t now_us) {
-        /* By the link's sustained rate: the last second's, over a few round trips, catches a token bucket's
-         * burst (5 MB/s on a 10 Mbit/s link), and then allowed two objects there while a guest waited. */
+        /* By the link's sustained rate: the last second's, over a few round trips, can catch a token bucket's
+         * burst (pace_rate_peak()), and then let objects run beside a waiting guest on a 10 Mbit/s link. */
         return bdp_limit(p, now_us, pace_rate_peak(p), 1.0);
 }
 
