@@ -210,14 +210,16 @@ def test_load_takes_the_parts_from_one_bundle_until_one_is_damaged(server_env: S
                 assert len(warnings) == 1 and "version 2 is not used from resumepack.1 on" in warnings[0]
 
 
-def published_pack(server_env: ServerEnv, count: int) -> tuple[str, bytes, list[str], list[bytes], dict[str, bytes],
-                                                               Manifest]:
-    """A new parcel of alice's whose version 1 has a pack of ``count`` one-page parts, each sealed alone: the
-    parcel, its key, the part names, their payloads, every blob stored, and the version's manifest."""
+def published_pack(server_env: ServerEnv, count: int, pages: int = 1) -> tuple[str, bytes, list[str], list[bytes],
+                                                                               dict[str, bytes], Manifest]:
+    """A new parcel of alice's whose version 1 has a pack of ``count`` parts of ``pages`` random pages, each
+    sealed alone: the parcel, its key, the part names, their payloads, every blob stored, and the version's
+    manifest."""
     parcel = server_env.new_parcel("alice")
     key = os.urandom(32)
-    image_size = 1 << 20
-    payloads = [resumepack.encode(image_size, [(index * 8192, os.urandom(4096))]) for index in range(count)]
+    image_size = max(1 << 20, count * pages * 8192)
+    payloads = [resumepack.encode(image_size, [((index * pages + page) * 8192, os.urandom(4096))
+                                               for page in range(pages)]) for index in range(count)]
     names = [resumepack.part_name(index) for index in range(count)]
     blobs = {"manifest": b"m", "keyring.disk": b"k", "keyring.memory": b"k",
              **{name: seal.seal(key, seal.KIND_DEVSTATE, payload) for name, payload in zip(names, payloads)}}
@@ -228,6 +230,27 @@ def published_pack(server_env: ServerEnv, count: int) -> tuple[str, bytes, list[
         remote.commit(parcel, nonce, 0, list(blobs), [])
         remote.release(parcel, nonce)
     return parcel, key, names, payloads, blobs, pack_manifest(parcel, 1, image_size, dict(zip(names, payloads)))
+
+
+@pytest.mark.parametrize("server_env", ["sqlite-directory"], indirect=True)
+def test_the_parts_pace_is_measured_once_a_megabyte_came(server_env: ServerEnv,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """`pack.Fetching.rate`: the bytes per second the parts crossed at, once a megabyte has come in a request
+    (isr hands it to vulpes, whose own first GETs cannot tell the link's rate: on a fast link the pack's
+    chunks then come at once); 0 when less came."""
+    for count, pages, measured in ((2, 160, True), (1, 1, False)):
+        parcel, key, names, payloads, blobs, manifest = published_pack(server_env, count, pages)
+        with server_env.client("alice") as remote:
+            started = time.monotonic()
+            fetching = pack.Fetching(remote, SimpleNamespace(parcel=parcel), manifest,  # type: ignore[arg-type]
+                                     SimpleNamespace(parcel_key=key), names)  # type: ignore[arg-type]
+            assert pack.hand_over(iter(fetching), PreloadRecorder()) == count * pages * 4096  # type: ignore[arg-type]
+            took = time.monotonic() - started
+        crossed = sum(len(blobs[name]) for name in names)
+        if measured:
+            assert crossed >= pack.RATE_BYTES_MIN and crossed / took <= fetching.rate, (crossed, took, fetching.rate)
+        else:
+            assert fetching.rate == 0
 
 
 @pytest.mark.parametrize("server_env", ["sqlite-directory"], indirect=True)
