@@ -32,8 +32,8 @@ from tests.conftest import wait_until
 from tests.guest_fixtures import ACKED_VERIFY, guest_artifacts, start_acked_writer  # noqa: F401  (fixture)
 from tests.server_fixtures import S3Server, s3_server, start_env  # noqa: F401  (s3_server: pytest fixture)
 from tests.vulpes_fixtures import (CHUNK_SIZE, FaultServer, IsrServer, ParcelState, Vulpes, chunk_path, drop_caches,
-                                   isr_server, make_state, random_image, read_all, small_tmpfs,  # noqa: F401
-                                   spki_pin, vulpes_binary)
+                                   make_state, random_image, read_all, small_tmpfs, spki_pin)
+from tests.vulpes_fixtures import isr_server, vulpes_binary  # noqa: F401  (pytest fixtures)
 
 pytestmark = pytest.mark.timeout(300)
 
