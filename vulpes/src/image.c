@@ -838,13 +838,13 @@ int image_preload(Image *img, uint8_t *payload, size_t len, uint32_t part) {
 }
 
 /*
- * With the lock held: the chunks that hold the resume pack's pages, part by part (the pack's order: the pages
- * the guest touched first after its previous resume come first), each once, that are neither in RAM nor
- * zero.  Returns how many went to *ret (malloc()ed), or -ENOMEM.
+ * With the lock held: the records of the chunks that hold the resume pack's pages, part by part (the pack's
+ * order: the pages the guest touched first after its previous resume come first), each once, that are neither
+ * in RAM nor zero.  Returns how many went to *ret (malloc()ed), or -ENOMEM.
  */
-static ssize_t pack_chunks_locked(Image *img, uint64_t **ret) {
+static ssize_t pack_chunks_locked(Image *img, KeyringRecord **ret) {
         uint8_t *seen = calloc(img->n_chunks / 8 + 1, 1);
-        uint64_t *list = NULL;
+        KeyringRecord *list = NULL;
         size_t n = 0, cap = 0;
 
         if (!seen)
@@ -861,7 +861,8 @@ static ssize_t pack_chunks_locked(Image *img, uint64_t **ret) {
                                 if (!img->present[idx] || img->chunks[idx].state == CHUNK_READY)
                                         continue;
                                 if (n == cap) {
-                                        uint64_t *grown = realloc(list, (cap = cap ? 2 * cap : 256) * sizeof(*list));
+                                        KeyringRecord *grown = realloc(list,
+                                                                       (cap = cap ? 2 * cap : 256) * sizeof(*list));
 
                                         if (!grown) {
                                                 free(list);
@@ -870,7 +871,7 @@ static ssize_t pack_chunks_locked(Image *img, uint64_t **ret) {
                                         }
                                         list = grown;
                                 }
-                                list[n++] = idx;
+                                list[n++] = img->records[idx];
                         }
                 }
         free(seen);
@@ -879,7 +880,7 @@ static ssize_t pack_chunks_locked(Image *img, uint64_t **ret) {
 }
 
 void image_preload_end(Image *img, uint64_t rate) {
-        uint64_t *chunks = NULL;
+        KeyringRecord *chunks = NULL;
         ssize_t n;
 
         /* The pack's parts were most of what the link carried so far: vulpes's own GETs, a few misses, say
@@ -900,15 +901,9 @@ void image_preload_end(Image *img, uint64_t rate) {
          */
         n = fast_link(img) ? pack_chunks_locked(img, &chunks) : 0;
         pthread_mutex_unlock(&img->lock);
-        for (ssize_t i = 0; i < n; i++) {
-                KeyringRecord rec;
-
-                pthread_mutex_lock(&img->lock);
-                rec = img->records[chunks[i]];
-                pthread_mutex_unlock(&img->lock);
-                if (!cache_has(img->src.cache, rec.tag))
-                        prefetch(img, &rec, FETCH_SOON);
-        }
+        for (ssize_t i = 0; i < n; i++)
+                if (!cache_has(img->src.cache, chunks[i].tag))
+                        prefetch(img, &chunks[i], FETCH_SOON);
         free(chunks);
 }
 
