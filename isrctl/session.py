@@ -1051,7 +1051,9 @@ class Session:
         """Let the guest run `pack.RECENT_SECONDS` more with its mapped pages dropped, so that the trace records
         the pages it is using now (the resume pack's recent pages); when that began, or None if not: no trace,
         vulpes refused, or the server does not answer (``answers``: the suspend's health check), for then a
-        guest that runs on may wait for it (a write to part of a disk chunk not here), and the stop with it."""
+        guest that runs on may wait for it (a write to part of a disk chunk not here), and the stop with it.
+        First the trace gets the pages QEMU maps that no read showed it: those vulpes's warmer had put into
+        the page cache before the guest touched them (`Vulpes.trace_mapped`)."""
         assert self.vulpes is not None
         if self.trace_path is None:
             return None
@@ -1059,6 +1061,8 @@ class Session:
             if (answers is not None and not answers.result()) or self.vulpes.status()["fetch"].get("waiting"):
                 log.info("the resume pack has no recent pages: the server does not answer")
                 return None
+            if self.vm is not None and self.vm.pid is not None:
+                self.vulpes.trace_mapped(self.vm.pid)
             since = time.time()
             self.vulpes.invalidate("memory")
         except (VulpesFailure, KeyError) as exc:

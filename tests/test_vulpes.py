@@ -8,6 +8,7 @@ clean exit and fails the test on unexpected daemon output.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import json
@@ -991,6 +992,83 @@ def test_invalidate_makes_the_next_touch_of_a_mapped_page_fault_again(vulpes_bin
             assert f.read(5) == b"fresh"
         refused = v.control({"op": "invalidate", "image": "swap"})
         assert not refused["ok"] and "disk or memory" in refused["error"]
+
+
+def _resident(m: mmap.mmap, offset: int, length: int) -> list[bool]:
+    """Which pages of [offset, offset + length) of the file behind mapping ``m`` are in the kernel's page cache
+    (mincore(2): for a file mapping, the page cache, whether or not this mapping has touched them)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    vec = ctypes.create_string_buffer(length // mmap.PAGESIZE)
+    assert libc.mincore(base + offset, length, vec) == 0, os.strerror(ctypes.get_errno())
+    return [bool(b & 1) for b in vec.raw]
+
+
+def test_the_warmer_fills_the_page_cache_once_the_guest_has_faulted(vulpes_binary: Path, isr_server: IsrServer,
+                                                                     tmp_path: Path) -> None:
+    """With a memory mount, once the memory image has had --warm-after traced reads (a resumed guest's first
+    faults), vulpes reads the chunks that are here into the kernel's page cache, not the others: a later first
+    touch is no read (the trace sees neither it nor the warmer's own reads), the bytes are the image's, a page
+    the guest wrote before stays written; "trace-mapped" then traces the pages QEMU (here: this process) maps in
+    warmed chunks, with source "mapped"; "invalidate" stops the warmer for good: chunks that come after it stay
+    out of the page cache, and what is touched is traced again."""
+    memory = bytearray(random_image(4 * MIB, seed=191, data_fraction=0.7))
+    memory[20 * CHUNK_SIZE:21 * CHUNK_SIZE] = bytes(CHUNK_SIZE)      # a zero chunk (no record) among the data
+    state = make_state(tmp_path / "state", bytes(1 * MIB), 4 * MIB, memory=bytes(memory))
+    state.publish(isr_server.store)
+    trace, ram = tmp_path / "trace.txt", tmp_path / "mnt-ram"
+    ram.mkdir()
+    here, later_chunks = 24 * CHUNK_SIZE, range(24, 32)             # hoarded before, and after the invalidation
+    data_chunk, written_page, later = 17, 13 * CHUNK_SIZE + 8192, 24 * CHUNK_SIZE
+    data = [c for c in range(32) if any(memory[c * CHUNK_SIZE:(c + 1) * CHUNK_SIZE])]
+    assert {data_chunk, 13, 24, 26} <= set(data) and 1 not in data
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server,
+                       extra=[f"--memory-mount={ram}", "--warm-after=4"]) as v:
+        hoarded = v.control({"op": "hoard", "memory": list(range(24)), "wait": True}, timeout=60)
+        assert hoarded["status"]["hoard"]["state"] == "done", hoarded
+        assert v.control({"op": "trace-start", "path": str(trace)})["ok"]
+        fd = os.open(ram / "memory", os.O_RDWR)
+        try:
+            with mmap.mmap(fd, 4 * MIB, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as m:
+                m[written_page:written_page + 5] = b"fresh"             # one read (and a dirty page)
+                time.sleep(0.3)
+                assert not any(_resident(m, data_chunk * CHUNK_SIZE, CHUNK_SIZE)), "warmed before the guest faulted"
+                for page in range(3):                                   # three more: the fourth read
+                    offset = CHUNK_SIZE + page * mmap.PAGESIZE
+                    assert m[offset:offset + 8] == memory[offset:offset + 8]
+                wait_until(lambda: all(_resident(m, 0, here)), 30, "the chunks here in the page cache")
+                time.sleep(0.6)                                         # more than the warmer's rescan
+                assert not any(_resident(m, 26 * CHUNK_SIZE, CHUNK_SIZE)), "warmed a chunk that is not here"
+                touched = data_chunk * CHUNK_SIZE + 5 * mmap.PAGESIZE
+                assert m[touched:touched + 8] == memory[touched:touched + 8]
+                assert bytes(m[:here]) == bytes(memory[:written_page]) + b"fresh" + bytes(memory[written_page + 5:here])
+                mapped_at = time.time()
+                mapped = v.control({"op": "trace-mapped", "pid": os.getpid()})
+                assert mapped["ok"] and mapped["pages"] >= here // mmap.PAGESIZE, mapped
+                assert v.control({"op": "invalidate", "image": "memory"})["ok"]
+                after = v.control({"op": "hoard", "memory": list(later_chunks), "wait": True}, timeout=60)
+                assert after["status"]["hoard"]["state"] == "done", after
+                time.sleep(0.6)
+                assert not any(_resident(m, 26 * CHUNK_SIZE, CHUNK_SIZE)), "warmed after the invalidation"
+                assert m[later:later + 8] == memory[later:later + 8]
+        finally:
+            os.close(fd)
+        v.control({"op": "trace-stop"})
+        status = v.status()["images"]["memory"]
+        warmable = len([c for c in data if c < 24]) + 32 - len(data)      # here before, and the zeros
+        assert status["warmed_chunks"] == warmable and status["warm_bytes"] > 0, status
+        with open(v.path("memory"), "rb") as f:                         # the write went through, not lost
+            f.seek(written_page)
+            assert f.read(5) == b"fresh"
+    records = [line.split() for line in trace.read_text().splitlines()[1:]]
+    before = {int(r[2]) for r in records if r[1] == "memory" and float(r[0]) < mapped_at}
+    assert before == {1, 13}, before                    # the guest's first faults: not the warmer's reads
+    mapped_pages = {int(r[5]) for r in records if r[4] == "mapped"}
+    assert touched in mapped_pages and all(r[3] == "r" and r[6] == "4096" and int(r[5]) < here
+                                           for r in records if r[4] == "mapped")
+    assert any(r[4] != "mapped" and r[3] == "r" and int(r[5]) == later for r in records), \
+        "the touch after the invalidation is traced"
 
 
 def test_debug_level_from_the_environment_logs_every_get(vulpes_binary: Path, isr_server: IsrServer,

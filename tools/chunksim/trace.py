@@ -51,8 +51,9 @@ DEFAULT_IMAGE = "disk"
 CSV_COLUMNS = ("time_s", "offset", "length", "op")
 VULPES_MAGIC = "# vulpes-trace"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-#: vulpes' "source" names (StatsTier in vulpes/src/stats.h).
-VULPES_SOURCES = ("ram", "cache", "lookaside", "server", "zero", "new", "pack")
+#: vulpes' "source" names (StatsTier in vulpes/src/stats.h), and ``mapped``: a page the guest touched without a
+#: read, which vulpes's warmer had put into the page cache (vulpes/src/warm.c), traced at the suspend.
+VULPES_SOURCES = ("ram", "cache", "lookaside", "server", "zero", "new", "pack", "mapped")
 
 
 @dataclass(frozen=True, slots=True)

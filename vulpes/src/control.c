@@ -166,6 +166,28 @@ static json_t *op_invalidate(Control *c, json_t *request) {
 }
 
 /*
+ * {"op": "trace-mapped", "pid": N}: the pages of the memory image that process N (QEMU) has mapped in chunks
+ * the warmer put into the kernel's page cache are traced with source "mapped" (warm.c): the guest touched
+ * them without a read reaching the trace.  isr asks at a suspend, before "invalidate".  Answers {"pages": n}.
+ */
+static json_t *op_trace_mapped(Control *c, json_t *request) {
+        json_t *pid = json_object_get(request, "pid"), *response;
+        int r;
+
+        if (!json_is_integer(pid) || json_integer_value(pid) <= 0 || json_integer_value(pid) > INT32_MAX)
+                return error_response("trace-mapped needs \"pid\": a process id");
+        r = daemon_trace_mapped(c->daemon, (pid_t) json_integer_value(pid));
+        if (r == -ENOTSUP)
+                r = 0;                  /* no warmer: every touch reached the trace */
+        if (r < 0)
+                return error_response("failed to trace the pages process %lld maps: %s",
+                                      (long long) json_integer_value(pid), strerror(-r));
+        response = ok_response();
+        json_object_set_new(response, "pages", json_integer(r));
+        return response;
+}
+
+/*
  * {"op": "preload", "image": "memory", "path": P, "part": N}: part N (default 0) of the resume pack of an
  * image, read from P (isr passes a memfd as /proc/<pid>/fd/<n>, so the plaintext never touches a disk).
  * {"op": "preload", "image": "memory", "end": true, "rate": R}: no more parts will come; they came at R bytes/s
@@ -320,6 +342,8 @@ static json_t *handle(Control *c, json_t *request) {
         }
         if (strcmp(op, "invalidate") == 0)
                 return op_invalidate(c, request);
+        if (strcmp(op, "trace-mapped") == 0)
+                return op_trace_mapped(c, request);
         if (strcmp(op, "hoard") == 0)
                 return op_hoard(c, request);
         if (strcmp(op, "preload") == 0)

@@ -28,9 +28,11 @@ struct Daemon {
         Image *images[_DAEMON_IMAGE_MAX];
         Hoard *hoard;
         Writeback *writeback;
-        DaemonInvalidator invalidate[DAEMON_MOUNTS_MAX];
-        void *invalidate_arg[DAEMON_MOUNTS_MAX];
+        DaemonInvalidator invalidate[DAEMON_INVALIDATORS_MAX];
+        void *invalidate_arg[DAEMON_INVALIDATORS_MAX];
         unsigned n_invalidators;
+        DaemonMappedTracer trace_mapped;
+        void *trace_mapped_arg;
 };
 
 static const char *const image_names[_DAEMON_IMAGE_MAX] = { "disk", "memory" };
@@ -40,7 +42,7 @@ const char *daemon_image_name(DaemonImage id) {
 }
 
 int daemon_add_invalidator(Daemon *d, DaemonInvalidator fn, void *arg) {
-        if (d->n_invalidators == DAEMON_MOUNTS_MAX)
+        if (d->n_invalidators == DAEMON_INVALIDATORS_MAX)
                 return -ENOSPC;
         d->invalidate[d->n_invalidators] = fn;
         d->invalidate_arg[d->n_invalidators++] = arg;
@@ -53,6 +55,15 @@ int daemon_invalidate(Daemon *d, DaemonImage id) {
         for (unsigned k = 0; k < d->n_invalidators && r >= 0; k++)
                 r = d->invalidate[k](d->invalidate_arg[k], id);
         return r;
+}
+
+void daemon_set_mapped_tracer(Daemon *d, DaemonMappedTracer fn, void *arg) {
+        d->trace_mapped = fn;
+        d->trace_mapped_arg = arg;
+}
+
+int daemon_trace_mapped(Daemon *d, pid_t pid) {
+        return d->trace_mapped ? d->trace_mapped(d->trace_mapped_arg, pid) : -ENOTSUP;
 }
 
 Image *daemon_image(Daemon *d, DaemonImage id) {
@@ -385,11 +396,12 @@ int daemon_status_json(Daemon *d, char **ret_text, size_t *ret_len) {
                         "%s\"%s\":{\"size\":%llu,\"chunk_size\":%u,\"chunks\":%llu,\"records\":%llu,\"ram_bytes\":%llu,"
                         "\"dirty_chunks\":%llu,\"changed_chunks\":%llu,\"pending_uploads\":%llu,\"flush_error\":%d,"
                         "\"pack_bytes\":%llu,\"pack_parts\":%llu,\"pack_waits\":%llu,\"pack_wait_ms\":%llu,\"dirty_bytes\":%llu,"
-                        "\"unreserved_chunks\":%llu,\"partial_chunks\":%llu}",
+                        "\"unreserved_chunks\":%llu,\"partial_chunks\":%llu,\"warmed_chunks\":%llu,\"warm_bytes\":%llu}",
                         i ? "," : "", image_names[i], U(st.size), st.chunk_size, U(st.chunks), U(st.records),
                         U(st.ram_bytes), U(st.dirty_chunks), U(st.changed_chunks), U(st.pending_uploads),
                         st.flush_error, U(st.pack_bytes), U(st.pack_parts), U(st.pack_waits), U(st.pack_wait_ms),
-                        U(st.dirty_bytes), U(st.unreserved_chunks), U(st.partial_chunks));
+                        U(st.dirty_bytes), U(st.unreserved_chunks), U(st.partial_chunks), U(st.warmed_chunks),
+                        U(st.warm_bytes));
         }
         fprintf(f,
                 "},\"io\":{\"bytes_read\":%llu,\"bytes_written\":%llu,\"chunks_read\":%llu,\"chunks_written\":%llu},"

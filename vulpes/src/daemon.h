@@ -70,13 +70,19 @@ int daemon_room_reclaim(Daemon *d, bool flush);
 int daemon_set_offline(Daemon *d, bool offline);
 
 /* The mounts that serve the images (the main one, the memory mount): each drops the kernel's cached pages
- * of an image when asked (daemon_invalidate()), so that the next accesses fault again and reach the trace. */
-enum { DAEMON_MOUNTS_MAX = 2 };
+ * of an image when asked (daemon_invalidate()), so that the next accesses fault again and reach the trace;
+ * and the memory mount's warmer (warm.c), which stops for good first.  Called in the order added. */
+enum { DAEMON_INVALIDATORS_MAX = 3 };
 typedef int (*DaemonInvalidator)(void *arg, DaemonImage id);
 int daemon_add_invalidator(Daemon *d, DaemonInvalidator fn, void *arg);
 /* Drops the kernel's cached pages of image `id` on every mount (dirty ones are written back first, as
  * ordinary writes); -ENOTSUP with no mount. */
 int daemon_invalidate(Daemon *d, DaemonImage id);
+/* The warmer's warm_trace_mapped(): traces the pages of warmed chunks process `pid` has mapped; the number
+ * traced, or -ENOTSUP without a warmer. */
+typedef int (*DaemonMappedTracer)(void *arg, pid_t pid);
+void daemon_set_mapped_tracer(Daemon *d, DaemonMappedTracer fn, void *arg);
+int daemon_trace_mapped(Daemon *d, pid_t pid);
 int daemon_trace_start(Daemon *d, const char *path);
 
 /* The full status report as a JSON object (malloc()ed text): images, I/O, tiers, fetch latency,

@@ -33,6 +33,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -177,6 +178,12 @@ struct Image {
         uint64_t pack_progress_ns;
         bool pack_ended;
         uint64_t pack_waits, pack_wait_ns;
+
+        /* Warming the kernel's page cache (warm.c): the chunks handed out by image_warm_next(), the bytes
+         * image_warm_read() served, and every read account() traced (the warmer starts after enough). */
+        bool *warmed;
+        uint64_t warmed_chunks, warm_bytes;
+        atomic_uint_fast64_t traced_reads;
 
         pthread_mutex_t flush_lock;        /* one flush at a time */
         pthread_t flusher;
@@ -739,6 +746,8 @@ static void account(Image *img, uint64_t idx, TraceOp op, StatsTier tier, uint64
         if (tier != STATS_TIER_RAM)
                 stats_add(&s->misses, 1);
         stats_add(op == TRACE_READ ? &s->chunks_read : &s->chunks_written, 1);
+        if (op == TRACE_READ)
+                atomic_fetch_add(&img->traced_reads, 1);
         trace_record(img->src.trace, img->name, idx, op, tier, offset, length);
 }
 
@@ -1033,6 +1042,116 @@ void image_read_release(Image *img, const struct iovec *iov, size_t n, uint64_t 
         pthread_mutex_unlock(&img->lock);
 }
 
+/* --- warming the kernel's page cache (warm.c) -------------------------------------------------------- */
+
+uint64_t image_traced_reads(Image *img) {
+        return atomic_load(&img->traced_reads);
+}
+
+int image_warm_next(Image *img, uint64_t *cursor, bool zeros, uint64_t *ret_idx) {
+        pthread_mutex_lock(&img->lock);
+        for (; *cursor < img->n_chunks; (*cursor)++) {
+                uint64_t idx = *cursor;
+                uint8_t tag[IMAGE_TAG_LEN];
+                bool local, zero = img->chunks[idx].state == CHUNK_ABSENT && !img->present[idx];
+
+                if (img->warmed[idx] || zero != zeros)
+                        continue;
+                local = zero || img->chunks[idx].state == CHUNK_READY;
+                if (!local && img->chunks[idx].state == CHUNK_ABSENT) {
+                        /* No image lock during I/O: the cache's index is a file system lookup. */
+                        memcpy(tag, img->records[idx].tag, IMAGE_TAG_LEN);
+                        pthread_mutex_unlock(&img->lock);
+                        local = cache_has(img->src.cache, tag);
+                        pthread_mutex_lock(&img->lock);
+                }
+                if (!local || img->warmed[idx])
+                        continue;
+                img->warmed[idx] = true;
+                img->warmed_chunks++;
+                (*cursor)++;
+                pthread_mutex_unlock(&img->lock);
+                *ret_idx = idx;
+                return 0;
+        }
+        pthread_mutex_unlock(&img->lock);
+        return -ENOENT;
+}
+
+void image_trace_mapped(Image *img, uint64_t offset, size_t length) {
+        trace_record_named(img->src.trace, img->name, offset / img->chunk_size, TRACE_READ, "mapped", offset, length);
+}
+
+bool image_warmed(Image *img, uint64_t idx) {
+        bool warmed;
+
+        pthread_mutex_lock(&img->lock);
+        warmed = idx < img->n_chunks && img->warmed[idx];
+        pthread_mutex_unlock(&img->lock);
+        return warmed;
+}
+
+/*
+ * One chunk's piece for image_warm_read(), with the lock held (dropped and taken again while an object is
+ * decoded): from RAM, from zeros, or decoded from the cache into a buffer that is not kept, so warming neither
+ * fetches nor pushes the guest's chunks out of RAM.  -EAGAIN for anything else (a chunk on its way, partly
+ * written): the kernel then leaves those pages out, and a fault on one is an ordinary read.  The pages the
+ * kernel asks for are ones it does not hold, so no write of them can be on its way: the cache's object (even
+ * one a flush has since replaced) is their content.
+ */
+static int warm_piece_locked(Image *img, uint64_t idx, size_t in_chunk, size_t piece, uint8_t *out) {
+        Chunk *c = &img->chunks[idx];
+        KeyringRecord rec;
+        StatsTier tier;
+        uint8_t *data = NULL;
+        int r;
+
+        if (c->state == CHUNK_ABSENT && !img->present[idx]) {
+                memset(out, 0, piece);
+                return 0;
+        }
+        if (c->state == CHUNK_READY) {
+                memcpy(out, c->data + in_chunk, piece);
+                return 0;
+        }
+        if (c->state != CHUNK_ABSENT)
+                return -EAGAIN;
+        rec = img->records[idx];
+        pthread_mutex_unlock(&img->lock);
+        r = chunk_load(img, idx, &rec, true, FETCH_HOARD, &data, &tier);
+        if (r == 0) {
+                memcpy(out, data + in_chunk, piece);
+                bufpool_put(img->chunk_pool, data);
+        }
+        pthread_mutex_lock(&img->lock);
+        return r == -ENOENT ? -EAGAIN : r;
+}
+
+ssize_t image_warm_read(Image *img, void *buf, size_t len, uint64_t offset) {
+        size_t done = 0;
+        int r = 0;
+
+        if (offset >= img->size)
+                return 0;
+        if (len > img->size - offset)
+                len = (size_t) (img->size - offset);
+        pthread_mutex_lock(&img->lock);
+        while (done < len) {
+                uint64_t pos = offset + done, idx = pos / img->chunk_size;
+                size_t in_chunk = (size_t) (pos % img->chunk_size), piece = length_of(img, idx) - in_chunk;
+
+                if (piece > len - done)
+                        piece = len - done;
+                r = warm_piece_locked(img, idx, in_chunk, piece, (uint8_t *) buf + done);
+                if (r < 0)
+                        break;
+                done += piece;
+        }
+        img->warm_bytes += done;
+        pthread_mutex_unlock(&img->lock);
+        return done > 0 ? (ssize_t) done : r;
+}
+
 ssize_t image_read(Image *img, void *buf, size_t len, uint64_t offset) {
         uint8_t *out = buf;
         size_t done = 0;
@@ -1203,6 +1322,8 @@ static int chunk_punch_locked(Image *img, uint64_t idx) {
         memset(img->chunks[idx].data, 0, length_of(img, idx));
         chunk_changed_locked(img, idx);
         img->chunks[idx].zeroed = true;
+        /* The kernel drops its pages of the hole: the warmer may fill them again. */
+        img->warmed[idx] = false;
         return 1;
 }
 
@@ -1612,7 +1733,8 @@ int image_open(const char *name, const char *keyring_path, const ImageSources *s
         img->present = calloc(img->n_chunks ? img->n_chunks : 1, sizeof(*img->present));
         img->records = calloc(img->n_chunks ? img->n_chunks : 1, sizeof(*img->records));
         img->chunks = calloc(img->n_chunks ? img->n_chunks : 1, sizeof(*img->chunks));
-        if (!img->present || !img->records || !img->chunks) {
+        img->warmed = calloc(img->n_chunks ? img->n_chunks : 1, sizeof(*img->warmed));
+        if (!img->present || !img->records || !img->chunks || !img->warmed) {
                 r = -ENOMEM;
                 goto out_free;
         }
@@ -1686,6 +1808,7 @@ Image *image_free(Image *img) {
         free(img->chunks);
         free(img->records);
         free(img->present);
+        free(img->warmed);
         keyring_free(img->keyring);
         pthread_cond_destroy(&img->flusher_cond);
         pthread_cond_destroy(&img->ra_cond);
@@ -1829,6 +1952,8 @@ void image_status(Image *img, ImageStatus *ret) {
         ret->pack_wait_ms = img->pack_wait_ns / 1000000;
         ret->dirty_bytes = img->dirty_bytes;
         ret->partial_chunks = img->partial_chunks;
+        ret->warmed_chunks = img->warmed_chunks;
+        ret->warm_bytes = img->warm_bytes;
         for (uint64_t i = 0, seen = 0; i < img->n_chunks && seen < img->dirty_chunks; i++)
                 if (img->chunks[i].dirty) {
                         seen++;

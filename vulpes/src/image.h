@@ -49,6 +49,8 @@ typedef struct ImageStatus {
         uint64_t dirty_bytes;          /* plaintext of the dirty chunks */
         uint64_t unreserved_chunks;    /* dirty chunks without room reserved in the cache (see image_open()) */
         uint64_t partial_chunks;       /* dirty chunks written before their object came (image_set_partial_writes) */
+        uint64_t warmed_chunks;        /* handed to the warmer (image_warm_next) */
+        uint64_t warm_bytes;           /* served to it (image_warm_read) */
 } ImageStatus;
 
 typedef struct Image Image;
@@ -119,6 +121,25 @@ int image_punch(Image *img, uint64_t offset, uint64_t len);
 size_t image_read_pieces_max(const Image *img, size_t len);
 ssize_t image_read_pin(Image *img, size_t len, uint64_t offset, struct iovec *iov, size_t max_iov, size_t *ret_n);
 void image_read_release(Image *img, const struct iovec *iov, size_t n, uint64_t offset);
+
+/*
+ * For the warmer (warm.c), which fills the kernel's page cache of the memory mount ahead of the guest.
+ *
+ * image_traced_reads(): the reads of this image traced so far (each guest page fault through the memory mount
+ * is one).  image_warm_next(): the first chunk from *cursor on (which it advances) that was not handed out
+ * since it last changed under the kernel (a punch), and is here: in RAM or the cache, or with `zeros`, a chunk
+ * without record (zeros, not in RAM); it is marked warmed; -ENOENT at the image's end.
+ * image_warmed(): whether chunk idx was.  image_warm_read(): image_read() for the warmer's own requests: not
+ * traced or counted as reads, never fetches, loads nothing into RAM; what it cannot serve from RAM, zeros or
+ * the cache ends the read (short, or -EAGAIN if nothing was).
+ */
+uint64_t image_traced_reads(Image *img);
+int image_warm_next(Image *img, uint64_t *cursor, bool zeros, uint64_t *ret_idx);
+bool image_warmed(Image *img, uint64_t idx);
+/* Traces a read of [offset, offset + length) with source `mapped`: a page the guest touched without a read
+ * (warm_trace_mapped()). */
+void image_trace_mapped(Image *img, uint64_t offset, size_t length);
+ssize_t image_warm_read(Image *img, void *buf, size_t len, uint64_t offset);
 
 /*
  * Takes part `part` of this image's resume pack (its payload, vulpes/src/pack.h, malloc()ed; owned by the

@@ -24,6 +24,7 @@
 #include "daemon.h"
 #include "mount.h"
 #include "log.h"
+#include "warm.h"
 
 typedef struct Options {
         char *state_dir;
@@ -42,6 +43,7 @@ typedef struct Options {
         unsigned hoard_window;
         unsigned max_threads;
         unsigned kernel_readahead_kib;
+        unsigned warm_after;
         int hoard;
         char *log_level;
         char *cache_limit;
@@ -80,6 +82,7 @@ static const struct fuse_opt option_spec[] = {
         OPTION("--max-threads=%u", max_threads),
         OPTION("--kernel-readahead=%u", kernel_readahead_kib),
         OPTION("--memory-mount=%s", memory_mountpoint),
+        OPTION("--warm-after=%u", warm_after),
         OPTION("--hoard", hoard),
         OPTION("--log-level=%s", log_level),
         OPTION("--cache-limit=%s", cache_limit),
@@ -122,6 +125,9 @@ static void usage(const char *program) {
                "  --memory-mount=DIR     also serve the files at DIR with the kernel's readahead off, for QEMU to\n"
                "                         map DIR/memory: each page fault is then one 4 KiB read, so the trace\n"
                "                         names the very pages a guest touched (ends with MOUNTPOINT)\n"
+               "  --warm-after=N         once N reads of the memory image are traced (a resumed guest's first\n"
+               "                         page faults), fill the memory mount's page cache with the chunks that\n"
+               "                         are here, ahead of the guest (default 2048; 0: never)\n"
                "  --log-level=LEVEL      error, warning, info (default: $VULPES_LOG_LEVEL, else info), debug;\n"
                "                         debug logs every GET with its queueing and transfer times\n"
                "  -d, -o OPT             libfuse options\n"
@@ -289,13 +295,14 @@ static bool memory_mount_end(Mount *m, pthread_t thread) {
 int main(int argc, char *argv[]) {
         struct fuse_args args = FUSE_ARGS_INIT(argc, argv);
         Options o = { .key_fd = -1, .ram_cache_mib = 128, .flush_interval_ms = 5000, .max_transfers = 16,
-                      .hoard_window = 64, .max_threads = 64, .kernel_readahead_kib = 32 };
+                      .hoard_window = 64, .max_threads = 64, .kernel_readahead_kib = 32, .warm_after = 2048 };
         DaemonConfig config = { 0 };
         FuseOptions fuse_options = { 0 };
         FuseOptions memory_options = { 0 };
         Daemon *daemon = NULL;
         Control *control = NULL;
         Mount *mount = NULL, *memory_mount = NULL;
+        Warmer *warmer = NULL;
         pthread_t memory_thread;
         bool memory_running = false;
         int r, status = EXIT_FAILURE;
@@ -352,6 +359,23 @@ int main(int argc, char *argv[]) {
         r = mount_new(daemon, &fuse_options, &mount);
         if (r < 0)
                 goto out_daemon;
+        if (o.memory_mountpoint && o.warm_after > 0) {
+                char *path = NULL;
+
+                /* Before the mounts' invalidators: it stops before the kernel drops the pages. */
+                if (asprintf(&path, "%s/memory", o.memory_mountpoint) < 0) {
+                        r = -ENOMEM;
+                        goto out_mount;
+                }
+                r = warm_new(daemon_image(daemon, DAEMON_IMAGE_MEMORY), path, o.warm_after, &warmer);
+                free(path);
+                if (r < 0)
+                        goto out_mount;
+                r = daemon_add_invalidator(daemon, warm_invalidator, warmer);
+                if (r < 0)
+                        goto out_mount;
+                daemon_set_mapped_tracer(daemon, warm_trace_mapped, warmer);
+        }
         r = daemon_add_invalidator(daemon, mount_invalidate, mount);
         if (r < 0)
                 goto out_mount;
@@ -363,6 +387,7 @@ int main(int argc, char *argv[]) {
                 r = mount_new(daemon, &memory_options, &memory_mount);
                 if (r < 0)
                         goto out_mount;
+                mount_set_warmer(memory_mount, warmer);
                 r = -pthread_create(&memory_thread, NULL, run_memory_mount, memory_mount);
                 if (r < 0) {
                         log_error("cannot start the memory mount: %s", strerror(-r));
@@ -372,6 +397,13 @@ int main(int argc, char *argv[]) {
                 r = daemon_add_invalidator(daemon, mount_invalidate, memory_mount);
                 if (r < 0)
                         goto out_mount;
+                if (warmer) {
+                        r = warm_start(warmer);
+                        if (r < 0) {
+                                log_error("cannot start the warmer: %s", strerror(-r));
+                                goto out_mount;
+                        }
+                }
         }
         if (o.control_path) {
                 r = control_start(daemon, o.control_path, &control);
@@ -391,6 +423,7 @@ int main(int argc, char *argv[]) {
 
         r = mount_run(mount);
         status = r < 0 ? EXIT_FAILURE : EXIT_SUCCESS;
+        warm_close(warmer);                     /* its descriptor would keep the memory mount busy */
         if (memory_running && !memory_mount_end(memory_mount, memory_thread))
                 memory_mount = NULL;
         memory_running = false;
@@ -398,11 +431,14 @@ int main(int argc, char *argv[]) {
         daemon_halt(daemon);
         control = control_stop(control);
 out_mount:
+        warm_close(warmer);
         /* A later step failed while the memory mount's thread served: end it before its Mount goes. */
         if (memory_running && !memory_mount_end(memory_mount, memory_thread))
                 memory_mount = NULL;
         memory_mount = mount_free(memory_mount);
         mount = mount_free(mount);
+        /* The control thread has stopped (or never ran): nobody calls the warmer any more. */
+        warmer = warm_free(warmer);
 out_daemon:
         /* daemon_free() flushes: whatever reached us before the unmount is made durable. */
         daemon = daemon_free(daemon);

@@ -28,6 +28,9 @@ int mount_run(Mount *m);
 /* Makes mount_run() return, from another thread: unmounts, which ends the kernel's connection (lazily: a
  * file still open keeps it until closed). */
 void mount_stop(Mount *m);
+/* The warmer whose requests this mount serves with image_warm_read() (warm.h); set before it starts. */
+typedef struct Warmer Warmer;
+void mount_set_warmer(Mount *m, Warmer *w);
 /* A DaemonInvalidator (daemon.h): drops the kernel's cached pages of image `id` on this mount. */
 int mount_invalidate(void *mount, DaemonImage id);
 

@@ -108,21 +108,31 @@ const char *trace_path(Trace *t) {
         return t->path;
 }
 
+static int format_named(char *buf, size_t size, double when, const char *image, uint64_t idx, TraceOp op,
+                        const char *source, uint64_t offset, size_t length) {
+        return snprintf(buf, size, "%.6f %s %llu %c %s %llu %zu", when, image, (unsigned long long) idx, (char) op,
+                        source, (unsigned long long) offset, length);
+}
+
 int trace_format(char *buf, size_t size, double when, const char *image, uint64_t idx, TraceOp op,
                  StatsTier source, uint64_t offset, size_t length) {
-        return snprintf(buf, size, "%.6f %s %llu %c %s %llu %zu", when, image, (unsigned long long) idx, (char) op,
-                        stats_tier_name(source), (unsigned long long) offset, length);
+        return format_named(buf, size, when, image, idx, op, stats_tier_name(source), offset, length);
 }
 
 void trace_record(Trace *t, const char *image, uint64_t idx, TraceOp op, StatsTier source, uint64_t offset,
                   size_t length) {
+        trace_record_named(t, image, idx, op, stats_tier_name(source), offset, length);
+}
+
+void trace_record_named(Trace *t, const char *image, uint64_t idx, TraceOp op, const char *source, uint64_t offset,
+                        size_t length) {
         struct timespec ts;
         char line[128];
 
         if (!atomic_load(&t->active))
                 return;
         clock_gettime(CLOCK_REALTIME, &ts);
-        trace_format(line, sizeof(line), (double) ts.tv_sec + (double) ts.tv_nsec / 1e9, image, idx, op, source,
+        format_named(line, sizeof(line), (double) ts.tv_sec + (double) ts.tv_nsec / 1e9, image, idx, op, source,
                      offset, length);
         pthread_mutex_lock(&t->lock);
         if (t->file) {

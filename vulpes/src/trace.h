@@ -34,6 +34,9 @@ const char *trace_path(Trace *t);   /* NULL when inactive; valid until the next 
 
 void trace_record(Trace *t, const char *image, uint64_t idx, TraceOp op, StatsTier source, uint64_t offset,
                   size_t length);
+/* trace_record() with a source that is no tier: `mapped` (warm.c). */
+void trace_record_named(Trace *t, const char *image, uint64_t idx, TraceOp op, const char *source, uint64_t offset,
+                        size_t length);
 
 /* Formats one record as trace_record() writes it (without newline); used by the unit test. */
 int trace_format(char *buf, size_t size, double when, const char *image, uint64_t idx, TraceOp op,
