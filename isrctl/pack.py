@@ -108,10 +108,13 @@ def limit(rate_peak: float) -> int:
     return max(PACK_BYTES, min(PACK_BYTES_MAX, fits))
 
 
-def first_touches(trace: Path, image: str, limit: int, *, since: float | None = None) -> list[tuple[int, int]]:
+def first_touches(trace: Path, image: str, limit: int, *, since: float | None = None, until: float | None = None,
+                  mapped: bool = True) -> list[tuple[int, int]]:
     """The byte ranges of ``image`` the trace's reads touched, in first-touch order, until ``limit`` new bytes
-    (a version-1 trace, which has no ranges, or a missing one: nothing); with ``since`` (a time.time()), only
-    the reads from then on."""
+    (a version-1 trace, which has no ranges, or a missing one: nothing); with ``since`` and ``until`` (each a
+    time.time()), only the reads from ``since`` on and before ``until``; without ``mapped``, not the pages
+    vulpes traced at the suspend as mapped by QEMU (source ``mapped``: touched while its warmer had them in the
+    page cache, in no known order)."""
     ranges: list[tuple[int, int]] = []
     seen: set[int] = set()               # pages already taken
     total = 0
@@ -122,11 +125,12 @@ def first_touches(trace: Path, image: str, limit: int, *, since: float | None = 
                 return []
             for line in f:
                 parts = line.split()
-                if len(parts) < 7 or parts[1] != image or parts[3] != "r":
+                if len(parts) < 7 or parts[1] != image or parts[3] != "r" or (not mapped and parts[4] == "mapped"):
                     continue
                 try:
                     offset, length = int(parts[5]), int(parts[6])
-                    if since is not None and float(parts[0]) < since:
+                    when = float(parts[0])
+                    if (since is not None and when < since) or (until is not None and when >= until):
                         continue
                 except ValueError:
                     continue
@@ -208,7 +212,7 @@ def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES
     stopped), from this session's ``trace``: the pages the guest read first after its resume (none if it
     booted cold, ``resumed`` false), first touches first, up to ``limit``; and its **recent pages**, those it
     read from ``recent_since`` on (`RECENT_SECONDS` before the suspend stopped it, once its mapped pages were
-    dropped so that every touch faulted again), that are not among them, up to `RECENT_BYTES`: after the first
+    dropped so that every touch faulted again), that it had not read before, up to `RECENT_BYTES`: after the first
     part, the recent pages and the rest of the first touches take turns (`_interleaved`). The first part
     holds ``first`` bytes and the others ``part`` (the last part takes what is left once there are
     `resumepack.PARTS_MAX`); none if the trace recorded no memory reads. Each page is in one part only, and the
@@ -218,7 +222,12 @@ def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES
     size = 0
     touched = first_touches(trace, "memory", limit) if resumed else []
     if recent_since is not None:
-        seen = {page for offset, length in touched for page in _pages(offset, length)}
+        # Recent pages go early unless the guest read them before, after its resume: not those it read only in
+        # the window (at the first touches' end on a fast link), nor those vulpes traced as mapped at the
+        # suspend (its warmer had them in the page cache: last, in address order), whose place says nothing of
+        # when the guest touched them. A page in two parts is in the first only.
+        exact = first_touches(trace, "memory", limit, until=recent_since, mapped=False) if resumed else []
+        seen = {page for offset, length in exact for page in _pages(offset, length)}
         recent = [(offset, length) for offset, length in first_touches(trace, "memory", RECENT_BYTES + limit,
                                                                           since=recent_since)
                   if any(page not in seen for page in _pages(offset, length))]

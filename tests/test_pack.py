@@ -105,10 +105,16 @@ def test_each_page_is_in_one_part_and_the_first_part_maps_the_others(tmp_path: P
             assert bytes(data) == image[e.offset:e.offset + e.length]
 
 
+def _packed_offsets(trace: Path, memory: Path, image: bytes, **kwargs: Any) -> list[int]:
+    """The offsets of the extents pack.build() puts in its parts, in order, with parts of one page."""
+    return [e.offset for p in pack.build(trace, memory, len(image), first=4096, part=4096, **kwargs)
+            for e, _ in resumepack.decode(p, len(image))]
+
+
 def test_recent_pages_join_the_first_touches_early_and_alone_make_a_cold_boots_pack(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pages read from ``recent_since`` on (after the suspend dropped the guest's mapped pages) that the
-    first touches lack, within RECENT_BYTES, take turns with the first touches after the first part; a
+    guest had not read before the window, within RECENT_BYTES, take turns with the first touches after the first part; a
     session that booted cold packs only those."""
     trace = tmp_path / "t.trace"
     trace.write_text("# vulpes-trace 3 disk.chunk_size=131072 memory.chunk_size=131072\n"
@@ -125,11 +131,10 @@ def test_recent_pages_join_the_first_touches_early_and_alone_make_a_cold_boots_p
     memory.write_bytes(image)
 
     def offsets(**kwargs: Any) -> list[int]:
-        return [e.offset for p in pack.build(trace, memory, len(image), first=4096, part=4096, **kwargs)
-                for e, _ in resumepack.decode(p, len(image))]
+        return _packed_offsets(trace, memory, image, **kwargs)
     assert offsets() == [8192, 0, 36864, 24576]                   # no window: the first touches
     assert offsets(resumed=False) == []                            # a cold boot without a window: none
-    assert offsets(recent_since=9.0) == [8192, 0, 36864, 24576]
+    assert offsets(recent_since=9.0) == [8192, 36864, 0, 24576]                # read first in the window: early
     assert offsets(recent_since=9.0, limit=4096) == [8192, 36864, 24576]
     assert offsets(recent_since=9.0, limit=8192) == [8192, 36864, 0, 24576]   # after the first part, in turn
     assert offsets(recent_since=9.0, resumed=False) == [8192, 36864, 24576]
@@ -174,6 +179,30 @@ def load_recorded(remote: Remote, parcel: str, manifest: Manifest, key: bytes, n
                                  SimpleNamespace(parcel_key=key), names, **kwargs)  # type: ignore[arg-type]
         used = pack.hand_over(iter(fetching), vulpes)  # type: ignore[arg-type]
     return used, vulpes, requests
+
+
+def test_mapped_pages_come_after_the_exact_first_touches_and_do_not_hide_recent_ones(tmp_path: Path) -> None:
+    """Pages vulpes traced as mapped at the suspend (its warmer had them in the page cache, so the guest touched
+    them without a read) are first touches after the exact ones; a recent page among them still takes its turn
+    early, once (a page is in one part only)."""
+    trace = tmp_path / "t.trace"
+    trace.write_text("# vulpes-trace 3 disk.chunk_size=131072 memory.chunk_size=131072\n"
+                     "1.0 memory 0 r server 8192 4096\n"             # exact first touches after the resume
+                     "1.5 memory 0 r cache 0 4096\n"
+                     "8.0 memory 3 r mapped 409600 4096\n"           # at the suspend: mapped, in address order
+                     "8.0 memory 4 r mapped 536576 4096\n"
+                     "8.0 memory 5 r mapped 655360 4096\n"
+                     "9.0 memory 5 r ram 655360 4096\n")             # the recent window: one of them
+    memory = tmp_path / "memory"
+    image = os.urandom(1 << 20)
+    memory.write_bytes(image)
+
+    def offsets(**kwargs: Any) -> list[int]:
+        return _packed_offsets(trace, memory, image, **kwargs)
+    assert pack.first_touches(trace, "memory", 1 << 20, mapped=False) == [(8192, 4096), (0, 4096), (655360, 4096)]
+    assert pack.first_touches(trace, "memory", 1 << 20, until=9.0, mapped=False) == [(8192, 4096), (0, 4096)]
+    assert offsets() == [8192, 0, 409600, 536576, 655360]
+    assert offsets(recent_since=9.0) == [8192, 655360, 0, 409600, 536576]
 
 
 @pytest.mark.parametrize("server_env", ["sqlite-directory"], indirect=True)
