@@ -286,6 +286,48 @@ def test_server_with_wrong_bytes_is_rejected(vulpes_binary: Path, tmp_path: Path
         server.stop()
 
 
+def test_a_read_that_fails_part_way_is_an_error_not_the_end_of_the_file(vulpes_binary: Path, tmp_path: Path) -> None:
+    """One request across two chunks whose second cannot be had (every copy fails verification) fails whole
+    with EIO: a short reply is the end of the file to the kernel (it shrinks the file's size after a buffered
+    read) and to QEMU, which pads a short read with zeros for the guest."""
+    content = random_image(1 * MIB, seed=53, data_fraction=1.0)
+    state = make_state(tmp_path / "state", content, 1 * MIB)
+    store = tmp_path / "store"
+    state.publish(store)
+    server = FaultServer(store, tmp_path).start()
+    tag = state.tag_of("disk", 7).hex()
+    try:
+        with fault_vulpes(vulpes_binary, tmp_path, state, server,
+                          expected_output=[r"chunk [0-9a-f]{64}: the server sent bytes that do not match the tag "
+                                           r"\(attempt \d\)",
+                                           rf"failed to read disk chunk 7 \(tag {tag}\): every copy failed "
+                                           r"verification against its tag"]) as v:
+            fd = os.open(v.path("disk"), os.O_RDONLY)
+            try:
+                # Chunk 6 is here (a first read starts no readahead), chunk 7 not.
+                assert os.pread(fd, 4096, 6 * CHUNK_SIZE) == content[6 * CHUNK_SIZE:6 * CHUNK_SIZE + 4096]
+                server.corrupt = -1
+                start = 6 * CHUNK_SIZE + CHUNK_SIZE // 2
+                direct = os.open(v.path("disk"), os.O_RDONLY | os.O_DIRECT)   # one request, across the two
+                buf = mmap.mmap(-1, CHUNK_SIZE)
+                try:
+                    got = bytes(buf[:os.preadv(direct, [buf], start)])
+                except OSError as exc:
+                    assert exc.errno == errno.EIO
+                    got = b""
+                finally:
+                    os.close(direct)
+                    buf.close()
+                assert got == b"", "a short read (QEMU pads those with zeros)"
+                assert os.fstat(fd).st_size == len(content)
+                server.corrupt = 0
+                assert os.pread(fd, CHUNK_SIZE, start) == content[start:start + CHUNK_SIZE]
+            finally:
+                os.close(fd)
+    finally:
+        server.stop()
+
+
 def test_server_stopped_mid_read_then_restarted(vulpes_binary: Path, tmp_path: Path) -> None:
     content = random_image(1 * MIB, seed=61, data_fraction=1.0)
     state = make_state(tmp_path / "state", content, 1 * MIB)

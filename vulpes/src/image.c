@@ -1147,9 +1147,11 @@ ssize_t image_warm_read(Image *img, void *buf, size_t len, uint64_t offset) {
                         break;
                 done += piece;
         }
-        img->warm_bytes += done;
+        if (r == 0)
+                img->warm_bytes += done;
         pthread_mutex_unlock(&img->lock);
-        return done > 0 ? (ssize_t) done : r;
+        /* All or nothing: a short reply would be the end of the file to the kernel (mount.c). */
+        return r < 0 ? r : (ssize_t) done;
 }
 
 ssize_t image_read(Image *img, void *buf, size_t len, uint64_t offset) {

@@ -130,8 +130,8 @@ void image_read_release(Image *img, const struct iovec *iov, size_t n, uint64_t 
  * since it last changed under the kernel (a punch), and is here: in RAM or the cache, or with `zeros`, a chunk
  * without record (zeros, not in RAM); it is marked warmed; -ENOENT at the image's end.
  * image_warmed(): whether chunk idx was.  image_warm_read(): image_read() for the warmer's own requests: not
- * traced or counted as reads, never fetches, loads nothing into RAM; what it cannot serve from RAM, zeros or
- * the cache ends the read (short, or -EAGAIN if nothing was).
+ * traced or counted as reads, never fetches, loads nothing into RAM; a read of anything it cannot serve from
+ * RAM, zeros or the cache fails whole (-EAGAIN), never short.
  */
 uint64_t image_traced_reads(Image *img);
 int image_warm_next(Image *img, uint64_t *cursor, bool zeros, uint64_t *ret_idx);

@@ -337,6 +337,10 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset, s
                 }
         }
         r = image_read_pin(img, size, (uint64_t) offset, iov, max_iov, &n);
+        /* A read that failed part-way is an error for the kernel: a short reply is the end of the file to it,
+         * and it would shrink the file's size (fuse_short_read()), so later reads of the rest find nothing. */
+        if (r >= 0 && (size_t) r < size && (uint64_t) offset + (uint64_t) r < image_size(img))
+                r = -EIO;
         if (r < 0)
                 fuse_reply_err(req, (int) -r);
         else
