@@ -1062,7 +1062,10 @@ class Session:
                 log.info("the resume pack has no recent pages: the server does not answer")
                 return None
             if self.vm is not None and self.vm.pid is not None:
-                self.vulpes.trace_mapped(self.vm.pid)
+                try:
+                    self.vulpes.trace_mapped(self.vm.pid)
+                except VulpesFailure as exc:      # e.g. Yama's ptrace_scope 1 hides QEMU's page tables
+                    log.warning("the trace lacks the guest's touches of pages vulpes had warmed: %s", exc)
             since = time.time()
             self.vulpes.invalidate("memory")
         except (VulpesFailure, KeyError) as exc:
