@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -1050,9 +1051,9 @@ def _resident(m: mmap.mmap, offset: int, length: int) -> list[bool]:
 def test_the_warmer_fills_the_page_cache_once_the_guest_has_faulted(vulpes_binary: Path, isr_server: IsrServer,
                                                                      tmp_path: Path) -> None:
     """With a memory mount, once the memory image has had --warm-after traced reads (a resumed guest's first
-    faults), vulpes reads the chunks that are here into the kernel's page cache, not the others: a later first
-    touch is no read (the trace sees neither it nor the warmer's own reads), the bytes are the image's, a page
-    the guest wrote before stays written; "trace-mapped" then traces the pages QEMU (here: this process) maps in
+    faults), vulpes reads the chunks that are here into the kernel's page cache, and the resume pack's pages,
+    not the others: a later first touch is no read (the trace sees neither it nor the warmer's own reads), the
+    bytes are the image's, a page the guest wrote before stays written; "trace-mapped" then traces the pages QEMU (here: this process) maps in
     warmed chunks, with source "mapped"; "invalidate" stops the warmer for good: chunks that come after it stay
     out of the page cache, and what is touched is traced again."""
     memory = bytearray(random_image(4 * MIB, seed=191, data_fraction=0.7))
@@ -1065,10 +1066,18 @@ def test_the_warmer_fills_the_page_cache_once_the_guest_has_faulted(vulpes_binar
     data_chunk, written_page, later = 17, 13 * CHUNK_SIZE + 8192, 24 * CHUNK_SIZE
     data = [c for c in range(32) if any(memory[c * CHUNK_SIZE:(c + 1) * CHUNK_SIZE])]
     assert {data_chunk, 13, 24, 26} <= set(data) and 1 not in data
-    with server_vulpes(vulpes_binary, tmp_path, state, isr_server,
-                       extra=[f"--memory-mount={ram}", "--warm-after=4"]) as v:
+    with server_vulpes(vulpes_binary, tmp_path, state, isr_server, extra=[f"--memory-mount={ram}", "--warm-after=4"],
+                       expected_output=[r"memory: resume pack part 0 of 1 extents, 4096 bytes"]) as v:
         hoarded = v.control({"op": "hoard", "memory": list(range(24)), "wait": True}, timeout=60)
         assert hoarded["status"]["hoard"]["state"] == "done", hoarded
+        packed = 26 * CHUNK_SIZE + 8192                             # a page of a chunk that is not here
+        pack_fd = os.memfd_create("pack")
+        try:
+            os.write(pack_fd, resumepack.encode(4 * MIB, [(packed, bytes(memory[packed:packed + 4096]))]))
+            assert v.control({"op": "preload", "image": "memory", "part": 0,
+                              "path": f"/proc/{os.getpid()}/fd/{pack_fd}"})["ok"]
+        finally:
+            os.close(pack_fd)
         assert v.control({"op": "trace-start", "path": str(trace)})["ok"]
         fd = os.open(ram / "memory", os.O_RDWR)
         try:
@@ -1080,10 +1089,13 @@ def test_the_warmer_fills_the_page_cache_once_the_guest_has_faulted(vulpes_binar
                     offset = CHUNK_SIZE + page * mmap.PAGESIZE
                     assert m[offset:offset + 8] == memory[offset:offset + 8]
                 wait_until(lambda: all(_resident(m, 0, here)), 30, "the chunks here in the page cache")
+                wait_until(lambda: _resident(m, packed, 4096) == [True], 30, "the pack's page in the page cache")
                 time.sleep(0.6)                                         # more than the warmer's rescan
-                assert not any(_resident(m, 26 * CHUNK_SIZE, CHUNK_SIZE)), "warmed a chunk that is not here"
+                assert _resident(m, 26 * CHUNK_SIZE, CHUNK_SIZE).count(True) == 1, "warmed a chunk that is not here"
+                assert not chunk_path(tmp_path / "cache", state.tag_of("memory", 26)).exists()
                 touched = data_chunk * CHUNK_SIZE + 5 * mmap.PAGESIZE
                 assert m[touched:touched + 8] == memory[touched:touched + 8]
+                assert m[packed:packed + 8] == memory[packed:packed + 8]
                 assert bytes(m[:here]) == bytes(memory[:written_page]) + b"fresh" + bytes(memory[written_page + 5:here])
                 mapped_at = time.time()
                 mapped = v.control({"op": "trace-mapped", "pid": os.getpid()})
@@ -1107,10 +1119,43 @@ def test_the_warmer_fills_the_page_cache_once_the_guest_has_faulted(vulpes_binar
     before = {int(r[2]) for r in records if r[1] == "memory" and float(r[0]) < mapped_at}
     assert before == {1, 13}, before                    # the guest's first faults: not the warmer's reads
     mapped_pages = {int(r[5]) for r in records if r[4] == "mapped"}
-    assert touched in mapped_pages and all(r[3] == "r" and r[6] == "4096" and int(r[5]) < here
-                                           for r in records if r[4] == "mapped")
+    assert {touched, packed} <= mapped_pages
+    assert all(r[3] == "r" and r[6] == "4096" and (int(r[5]) < here or int(r[2]) == 26)
+               for r in records if r[4] == "mapped")
     assert any(r[4] != "mapped" and r[3] == "r" and int(r[5]) == later for r in records), \
         "the touch after the invalidation is traced"
+
+
+def test_vulpes_killed_while_it_warms_exits_and_ends_its_mounts(vulpes_binary: Path, isr_server: IsrServer,
+                                                                 tmp_path: Path) -> None:
+    """kill -9 of vulpes while its warmer has the memory file open and a client (QEMU, here this process) has
+    dirty pages in it: the process ends and its mounts with it (a mapping, or a descriptor that flushes at close,
+    of its own file would make its exit wait on itself for ever, and the client with it)."""
+    memory = random_image(4 * MIB, seed=193, data_fraction=1.0)
+    state = make_state(tmp_path / "state", bytes(1 * MIB), 4 * MIB, memory=memory)
+    state.publish(isr_server.store)
+    ram = tmp_path / "mnt-ram"
+    ram.mkdir()
+    v = server_vulpes(vulpes_binary, tmp_path, state, isr_server, extra=[f"--memory-mount={ram}", "--warm-after=4"])
+    with v:
+        assert v.control({"op": "hoard", "memory": "all", "wait": True}, timeout=60)["status"]["hoard"]["state"] == "done"
+        fd = os.open(ram / "memory", os.O_RDWR)
+        try:
+            m = mmap.mmap(fd, 4 * MIB, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            for page in range(4):
+                assert m[page * mmap.PAGESIZE] == memory[page * mmap.PAGESIZE]
+            wait_until(lambda: all(_resident(m, 0, 4 * MIB)), 30, "the image in the page cache")
+            for chunk in range(0, 32, 3):                                # dirty pages, not written back yet
+                m[chunk * CHUNK_SIZE:chunk * CHUNK_SIZE + 5] = b"dirty"
+            assert v.proc is not None
+            os.kill(v.proc.pid, signal.SIGKILL)
+            assert v.proc.wait(timeout=20) == -signal.SIGKILL
+            m.close()
+        finally:
+            with contextlib.suppress(OSError):          # ENOTCONN: the connection is gone
+                os.close(fd)
+        subprocess.run(["fusermount3", "-u", "-z", str(ram)], capture_output=True, timeout=60)
+    assert not os.path.ismount(ram)
 
 
 def test_debug_level_from_the_environment_logs_every_get(vulpes_binary: Path, isr_server: IsrServer,

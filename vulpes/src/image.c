@@ -182,6 +182,7 @@ struct Image {
         /* Warming the kernel's page cache (warm.c): the chunks handed out by image_warm_next(), the bytes
          * image_warm_read() served, and every read account() traced (the warmer starts after enough). */
         bool *warmed;
+        bool *pack_warmed;                 /* chunks some of whose pages were warmed from the resume pack */
         uint64_t warmed_chunks, warm_bytes;
         atomic_uint_fast64_t traced_reads;
 
@@ -1048,7 +1049,9 @@ uint64_t image_traced_reads(Image *img) {
         return atomic_load(&img->traced_reads);
 }
 
-int image_warm_next(Image *img, uint64_t *cursor, bool zeros, uint64_t *ret_idx) {
+int image_warm_next(Image *img, uint64_t *cursor, unsigned flags, uint64_t *ret_idx) {
+        bool zeros = flags & IMAGE_WARM_ZEROS;
+
         pthread_mutex_lock(&img->lock);
         for (; *cursor < img->n_chunks; (*cursor)++) {
                 uint64_t idx = *cursor;
@@ -1058,7 +1061,7 @@ int image_warm_next(Image *img, uint64_t *cursor, bool zeros, uint64_t *ret_idx)
                 if (img->warmed[idx] || zero != zeros)
                         continue;
                 local = zero || img->chunks[idx].state == CHUNK_READY;
-                if (!local && img->chunks[idx].state == CHUNK_ABSENT) {
+                if (!local && img->chunks[idx].state == CHUNK_ABSENT && !(flags & IMAGE_WARM_RAM_ONLY)) {
                         /* No image lock during I/O: the cache's index is a file system lookup. */
                         memcpy(tag, img->records[idx].tag, IMAGE_TAG_LEN);
                         pthread_mutex_unlock(&img->lock);
@@ -1082,11 +1085,36 @@ void image_trace_mapped(Image *img, uint64_t offset, size_t length) {
         trace_record_named(img->src.trace, img->name, offset / img->chunk_size, TRACE_READ, "mapped", offset, length);
 }
 
+int image_warm_pack_next(Image *img, uint64_t *cursor, uint64_t *ret_offset, uint64_t *ret_len) {
+        pthread_mutex_lock(&img->lock);
+        for (;;) {
+                size_t k = (size_t) (*cursor >> 32), i = (size_t) (*cursor & UINT32_MAX);
+                const PackExtent *e;
+
+                if (k >= img->n_packs) {
+                        pthread_mutex_unlock(&img->lock);
+                        return -ENOENT;
+                }
+                if (i >= img->packs[k].n) {
+                        *cursor = (uint64_t) (k + 1) << 32;
+                        continue;
+                }
+                (*cursor)++;
+                e = &img->packs[k].extents[i];
+                for (uint64_t idx = e->offset / img->chunk_size; idx <= (e->offset + e->len - 1) / img->chunk_size; idx++)
+                        img->pack_warmed[idx] = true;
+                *ret_offset = e->offset;
+                *ret_len = e->len;
+                pthread_mutex_unlock(&img->lock);
+                return 0;
+        }
+}
+
 bool image_warmed(Image *img, uint64_t idx) {
         bool warmed;
 
         pthread_mutex_lock(&img->lock);
-        warmed = idx < img->n_chunks && img->warmed[idx];
+        warmed = idx < img->n_chunks && (img->warmed[idx] || img->pack_warmed[idx]);
         pthread_mutex_unlock(&img->lock);
         return warmed;
 }
@@ -1101,6 +1129,7 @@ bool image_warmed(Image *img, uint64_t idx) {
  */
 static int warm_piece_locked(Image *img, uint64_t idx, size_t in_chunk, size_t piece, uint8_t *out) {
         Chunk *c = &img->chunks[idx];
+        const uint8_t *p;
         KeyringRecord rec;
         StatsTier tier;
         uint8_t *data = NULL;
@@ -1112,6 +1141,12 @@ static int warm_piece_locked(Image *img, uint64_t idx, size_t in_chunk, size_t p
         }
         if (c->state == CHUNK_READY) {
                 memcpy(out, c->data + in_chunk, piece);
+                return 0;
+        }
+        /* The pack holds what the chunk was at the suspend: for a chunk not written since. */
+        if ((c->state == CHUNK_ABSENT || c->state == CHUNK_LOADING) && img->n_packs && !c->pack_stale &&
+            (p = pack_find_locked(img, idx * img->chunk_size + in_chunk, piece))) {
+                memcpy(out, p, piece);
                 return 0;
         }
         if (c->state != CHUNK_ABSENT)
@@ -1736,7 +1771,8 @@ int image_open(const char *name, const char *keyring_path, const ImageSources *s
         img->records = calloc(img->n_chunks ? img->n_chunks : 1, sizeof(*img->records));
         img->chunks = calloc(img->n_chunks ? img->n_chunks : 1, sizeof(*img->chunks));
         img->warmed = calloc(img->n_chunks ? img->n_chunks : 1, sizeof(*img->warmed));
-        if (!img->present || !img->records || !img->chunks || !img->warmed) {
+        img->pack_warmed = calloc(img->n_chunks ? img->n_chunks : 1, sizeof(*img->pack_warmed));
+        if (!img->present || !img->records || !img->chunks || !img->warmed || !img->pack_warmed) {
                 r = -ENOMEM;
                 goto out_free;
         }
@@ -1811,6 +1847,7 @@ Image *image_free(Image *img) {
         free(img->records);
         free(img->present);
         free(img->warmed);
+        free(img->pack_warmed);
         keyring_free(img->keyring);
         pthread_cond_destroy(&img->flusher_cond);
         pthread_cond_destroy(&img->ra_cond);

@@ -127,14 +127,22 @@ void image_read_release(Image *img, const struct iovec *iov, size_t n, uint64_t 
  *
  * image_traced_reads(): the reads of this image traced so far (each guest page fault through the memory mount
  * is one).  image_warm_next(): the first chunk from *cursor on (which it advances) that was not handed out
- * since it last changed under the kernel (a punch), and is here: in RAM or the cache, or with `zeros`, a chunk
- * without record (zeros, not in RAM); it is marked warmed; -ENOENT at the image's end.
+ * since it last changed under the kernel (a punch), and is here: in RAM or the cache (only RAM with
+ * IMAGE_WARM_RAM_ONLY), or with IMAGE_WARM_ZEROS, a chunk without record (zeros, not in RAM); it is marked
+ * warmed; -ENOENT at the image's end.
  * image_warmed(): whether chunk idx was.  image_warm_read(): image_read() for the warmer's own requests: not
  * traced or counted as reads, never fetches, loads nothing into RAM; a read of anything it cannot serve from
  * RAM, zeros or the cache fails whole (-EAGAIN), never short.
  */
 uint64_t image_traced_reads(Image *img);
-int image_warm_next(Image *img, uint64_t *cursor, bool zeros, uint64_t *ret_idx);
+enum {
+        IMAGE_WARM_ZEROS = 1 << 0,         /* image_warm_next(): chunks without record instead of those with data */
+        IMAGE_WARM_RAM_ONLY = 1 << 1,      /* ... only those in RAM (no look into the cache) */
+};
+int image_warm_next(Image *img, uint64_t *cursor, unsigned flags, uint64_t *ret_idx);
+/* image_warm_pack_next(): the next extent of the resume pack's parts here from *cursor on (0 at first; it only
+ * goes forward, as parts come), whose chunks then count as warmed for image_warmed(); -ENOENT for now. */
+int image_warm_pack_next(Image *img, uint64_t *cursor, uint64_t *ret_offset, uint64_t *ret_len);
 bool image_warmed(Image *img, uint64_t idx);
 /* Traces a read of [offset, offset + length) with source `mapped`: a page the guest touched without a read
  * (warm_trace_mapped()). */

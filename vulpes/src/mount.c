@@ -229,6 +229,12 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
                 }
                 fi->keep_cache = 1;
                 fi->fh = (uint64_t) file | ((fi->flags & O_ACCMODE) != O_RDONLY ? FH_WRITABLE : 0);
+                /* The kernel's close of a file flushes it (writes the file's dirty pages back and waits): were
+                 * vulpes killed with its warmer's descriptor open, its exit would wait on itself for ever, and
+                 * its mounts and QEMU with it.  The warmer writes nothing: its close needs no flush. */
+                if (((Mount *) fuse_req_userdata(req))->warmer &&
+                    warm_is_own(((Mount *) fuse_req_userdata(req))->warmer, fuse_req_ctx(req)->pid))
+                        fi->noflush = 1;
                 fuse_reply_open(req, fi);
                 return;
         }

@@ -12,11 +12,13 @@
  * So, once the guest has made `after_reads` reads (its first page faults after the resume, which the trace
  * must see one by one: they are the next resume pack, isrctl/pack.py), a thread asks the kernel to read
  * ahead (posix_fadvise(WILLNEED)) each chunk of the image that is in RAM or in the cache, in index order, and
- * again every WARM_RESCAN_MS for chunks that came since (a hoard, readahead); after each pass over those, one over
- * the chunks without a record (zeros: mostly RAM the guest had free, which it touches when it allocates: 1,200
- * FUSE reads in the test workload).  That fills the page cache with the guest's whole RAM, as QEMU's own RAM
- * would be once the guest used it; the kernel may take clean pages back, and then the guest's touch is a read
- * again.  A chunk QEMU punches (free page reporting) is warmed again once the kernel has dropped its pages.
+ * again every WARM_RESCAN_MS for chunks that came since (a guest's read, readahead; from a hoard into the cache
+ * every WARM_CACHE_ROUNDS of them); after each pass over those, the
+ * resume pack's pages that came since (vulpes holds them before their chunks: the pages the guest touched after
+ * its previous resume), then the chunks without a record (zeros: mostly RAM the guest had free, which it touches when it allocates: 1,200
+ * FUSE reads in the test workload), as long as the host has memory to spare (memory_to_spare()).  That fills
+ * the page cache with the guest's whole RAM, as QEMU's own RAM would be once the guest used it; the kernel may
+ * take clean pages back, and then the guest's touch is a read again.  A chunk QEMU punches (free page reporting) is warmed again once the kernel has dropped its pages.
  * The kernel sends those reads from this thread: mount.c recognises them by the requesting thread's id and
  * serves them with image_warm_read(), which never fetches, loads nothing into vulpes's RAM and is not traced.
  * The kernel skips the pages it already holds (the guest's dirty pages among them), and a read of pages it
@@ -29,8 +31,8 @@
  * fault-around) and has no order; the pages the guest touched before the warmer started, and those after the
  * suspend began, are exact.
  *
- * Pacing: at most WARM_INFLIGHT chunks are being read at once (mincore() on a mapping of the file tells when a
- * chunk's pages are in), so that a guest's fault never queues behind more than a few of the warmer's reads.
+ * Pacing: at most WARM_INFLIGHT chunks are being read at once (cachestat() tells when a chunk's pages are in),
+ * so that a guest's fault never queues behind more than a few of the warmer's reads.
  *
  * Threading: one thread; warm_served() and warm_is_own() from FUSE workers; warm_invalidator() from the control
  * thread; warm_trace_mapped() from the control thread.
@@ -46,7 +48,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <time.h>
@@ -58,17 +60,31 @@ enum {
         WARM_INFLIGHT = 4,                 /* chunks being read ahead at once */
         WARM_GIVE_UP_MS = 250,             /* a chunk whose pages do not all come (the kernel or vulpes left some
                                             * out) stops counting as in flight after this */
-        WARM_RESCAN_MS = 500,              /* a full pass found nothing new: look again after this */
+        WARM_RESCAN_MS = 100,              /* a round of passes found nothing new: look again after this, */
+        WARM_CACHE_ROUNDS = 5,             /* ... into the cache only every this many rounds (a file system
+                                            * lookup per chunk not in RAM: chunks a guest's read just brought
+                                            * into RAM are warmed soon, while it touches their other pages) */
         WARM_POLL_MS = 50,                 /* how often the thread checks whether to start */
+        WARM_NO_CACHESTAT_MS = 5,          /* without cachestat(), a request counts as done after this */
         PAGEMAP_BATCH = 4096,              /* pagemap entries read at once */
+        ZEROS_CHECK = 32,                  /* chunks of zeros warmed between two looks at the host's memory */
+        ZEROS_RESERVE_PERCENT = 25,        /* ... which must keep this much of it available */
 };
 
 #define PAGEMAP_PRESENT (UINT64_C(1) << 63)
 
 typedef struct InFlight {
-        uint64_t idx;
+        uint64_t offset, len;
         uint64_t since_ns;
 } InFlight;
+
+/* What a pass goes over: the chunks with data that are here, the resume pack's pages, the chunks of zeros. */
+typedef enum WarmPass {
+        PASS_DATA,
+        PASS_PACK,
+        PASS_ZEROS,
+        _PASS_MAX,
+} WarmPass;
 
 struct Warmer {
         Image *img;
@@ -85,12 +101,12 @@ struct Warmer {
 
         pthread_mutex_t lock;
         pthread_cond_t cond;               /* stopping, a request served */
+        uint64_t served;                   /* requests served (so that the thread misses no wake-up) */
 
-        /* The file, once the thread has started warming: its descriptor, a mapping for mincore(), its identity
+        /* The file, once the thread has started warming: its descriptor, its size and identity
          * (to find QEMU's mapping of it in /proc/PID/maps). */
         int fd;
-        uint8_t *map;
-        size_t map_len;
+        uint64_t size;
         dev_t dev;
         ino_t ino;
         bool opened;                       /* under lock */
@@ -144,31 +160,26 @@ int warm_new(Image *img, const char *path, uint64_t after_reads, Warmer **ret) {
         return 0;
 }
 
-/* Opens the file and maps it (for mincore()); -errno, with the warmer then idle for good. */
+/*
+ * Opens the file; -errno, with the warmer then idle for good.  vulpes must never map a file of its own mounts
+ * (at an exit by SIGKILL, fuse_vma_close() writes the file back, which only vulpes could answer: the process
+ * never ends, and QEMU waits on it), nor hold one that needs a flush at close (mount.c gives the warmer's
+ * descriptor none).
+ */
 static int warm_open(Warmer *w) {
-        uint64_t size = image_size(w->img);
         struct stat st;
-        void *map;
         int fd;
 
         fd = open(w->path, O_RDONLY | O_CLOEXEC);
         if (fd < 0)
                 return -errno;
-        if (fstat(fd, &st) < 0 || (uint64_t) st.st_size != size) {
+        if (fstat(fd, &st) < 0 || (uint64_t) st.st_size != image_size(w->img)) {
                 close(fd);
                 return -EIO;
         }
-        map = mmap(NULL, (size_t) size, PROT_READ, MAP_SHARED, fd, 0);
-        if (map == MAP_FAILED) {
-                int r = -errno;
-
-                close(fd);
-                return r;
-        }
         pthread_mutex_lock(&w->lock);
         w->fd = fd;
-        w->map = map;
-        w->map_len = (size_t) size;
+        w->size = (uint64_t) st.st_size;
         w->dev = st.st_dev;
         w->ino = st.st_ino;
         w->opened = true;
@@ -176,35 +187,64 @@ static int warm_open(Warmer *w) {
         return 0;
 }
 
-/* Whether every page of chunk idx is in the kernel's page cache. */
-static bool chunk_resident(Warmer *w, uint64_t idx) {
-        uint64_t chunk = image_chunk_size(w->img), start = idx * chunk, end = start + chunk;
-        uint64_t page = (uint64_t) sysconf(_SC_PAGESIZE);
-        unsigned char vec[256];
+/* cachestat(2) (Linux 6.5), which the C library may not wrap yet. */
+#ifndef __NR_cachestat
+#define __NR_cachestat 451
+#endif
+struct warm_cachestat_range {
+        uint64_t off, len;
+};
+struct warm_cachestat {
+        uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
+};
 
-        if (end > w->map_len)
-                end = w->map_len;
-        for (uint64_t at = start; at < end; at += sizeof(vec) * page) {
-                uint64_t len = end - at < sizeof(vec) * page ? end - at : sizeof(vec) * page;
+/* Whether every page of [start, start + len) is in the kernel's page cache; on a kernel without cachestat(),
+ * once the request had WARM_NO_CACHESTAT_MS. */
+static bool resident(Warmer *w, uint64_t start, uint64_t len, uint64_t since_ns) {
+        uint64_t page = (uint64_t) sysconf(_SC_PAGESIZE), first = start / page, last;
+        struct warm_cachestat_range range;
+        struct warm_cachestat cs = { 0 };
 
-                if (mincore(w->map + at, (size_t) len, vec) < 0)
-                        return true;    /* cannot tell: do not hold the others back */
-                for (uint64_t i = 0; i < (len + page - 1) / page; i++)
-                        if (!(vec[i] & 1))
-                                return false;
-        }
-        return true;
+        if (start + len > w->size)
+                len = w->size - start;
+        last = (start + len + page - 1) / page;
+        range = (struct warm_cachestat_range) { .off = first * page, .len = (last - first) * page };
+        if (syscall(__NR_cachestat, w->fd, &range, &cs, 0) < 0)
+                return now_ns() - since_ns >= (uint64_t) WARM_NO_CACHESTAT_MS * 1000000u;
+        return cs.nr_cache >= last - first;
 }
 
-/* Asks the kernel to read chunk idx ahead; false once stopping. */
-static bool issue(Warmer *w, uint64_t idx) {
-        uint64_t chunk = image_chunk_size(w->img), start = idx * chunk;
+/*
+ * Whether the host can spare `bytes` more of page cache for zeros and still have ZEROS_RESERVE_PERCENT of its
+ * memory available (/proc/meminfo): the guest may never touch that free RAM of its own, and the pages would push
+ * out others (vulpes's cache files among them), so the zeros are warmed only where memory is plentiful.
+ */
+static bool memory_to_spare(uint64_t bytes) {
+        unsigned long long total = 0, available = 0, value;
+        char line[128], key[64];
+        FILE *f = fopen("/proc/meminfo", "re");
+
+        if (!f)
+                return false;
+        while (fgets(line, sizeof(line), f))
+                if (sscanf(line, "%63[^:]: %llu kB", key, &value) == 2) {
+                        if (strcmp(key, "MemTotal") == 0)
+                                total = value << 10;
+                        else if (strcmp(key, "MemAvailable") == 0)
+                                available = value << 10;
+                }
+        fclose(f);
+        return available > bytes && available - bytes > total / 100 * ZEROS_RESERVE_PERCENT;
+}
+
+/* Asks the kernel to read [start, start + len) ahead; false once stopping. */
+static bool issue(Warmer *w, uint64_t start, uint64_t len) {
         bool stopping;
 
         pthread_mutex_lock(&w->issue_lock);
         stopping = w->stopping;
         if (!stopping)
-                (void) posix_fadvise(w->fd, (off_t) start, (off_t) chunk, POSIX_FADV_WILLNEED);
+                (void) posix_fadvise(w->fd, (off_t) start, (off_t) len, POSIX_FADV_WILLNEED);
         pthread_mutex_unlock(&w->issue_lock);
         return !stopping;
 }
@@ -213,8 +253,9 @@ static void *warm_thread(void *userdata) {
         Warmer *w = userdata;
         InFlight inflight[WARM_INFLIGHT];
         size_t n_inflight = 0;
-        uint64_t cursor = 0, idx;
-        bool zeros = false;
+        uint64_t cursors[_PASS_MAX] = { 0 }, chunk = image_chunk_size(w->img), offset, len;
+        WarmPass pass = PASS_DATA;
+        unsigned zeros = 0, round = 0;
         int r;
 
         atomic_store(&w->tid, (int) gettid());
@@ -235,29 +276,44 @@ static void *warm_thread(void *userdata) {
                 /* Room for one more chunk in flight: the oldest is in, or given up on. */
                 while (n_inflight == WARM_INFLIGHT) {
                         size_t kept = 0;
-                        uint64_t now = now_ns();
+                        uint64_t now = now_ns(), served;
 
+                        pthread_mutex_lock(&w->lock);
+                        served = w->served;
+                        pthread_mutex_unlock(&w->lock);
                         for (size_t i = 0; i < n_inflight; i++)
-                                if (!chunk_resident(w, inflight[i].idx) &&
+                                if (!resident(w, inflight[i].offset, inflight[i].len, inflight[i].since_ns) &&
                                     now - inflight[i].since_ns < (uint64_t) WARM_GIVE_UP_MS * 1000000u)
                                         inflight[kept++] = inflight[i];
                         n_inflight = kept;
                         if (n_inflight < WARM_INFLIGHT)
                                 break;
                         pthread_mutex_lock(&w->lock);
-                        if (wait_locked(w, 10)) {
+                        if (w->stopping || (w->served == served && wait_locked(w, 10))) {
                                 pthread_mutex_unlock(&w->lock);
                                 return NULL;
                         }
                         pthread_mutex_unlock(&w->lock);
                 }
-                r = image_warm_next(w->img, &cursor, zeros, &idx);
+                if (pass == PASS_PACK) {
+                        /* The pack only grows: its cursor goes on from where it was. */
+                        r = image_warm_pack_next(w->img, &cursors[pass], &offset, &len);
+                } else if (pass == PASS_ZEROS && zeros++ % ZEROS_CHECK == 0 && !memory_to_spare(ZEROS_CHECK * chunk)) {
+                        r = -ENOMEM;
+                } else {
+                        r = image_warm_next(w->img, &cursors[pass],
+                                            pass == PASS_ZEROS ? IMAGE_WARM_ZEROS
+                                            : round % WARM_CACHE_ROUNDS ? IMAGE_WARM_RAM_ONLY : 0, &offset);
+                        offset *= chunk;
+                        len = chunk;
+                }
                 if (r < 0) {
-                        /* A pass over the chunks with data, then one over those without. */
-                        cursor = 0;
-                        zeros = !zeros;
-                        if (zeros)
+                        if (pass != PASS_PACK)
+                                cursors[pass] = 0;
+                        pass = (WarmPass) ((pass + 1) % _PASS_MAX);
+                        if (pass != PASS_DATA)
                                 continue;
+                        round++;
                         pthread_mutex_lock(&w->lock);
                         if (wait_locked(w, WARM_RESCAN_MS)) {
                                 pthread_mutex_unlock(&w->lock);
@@ -266,9 +322,9 @@ static void *warm_thread(void *userdata) {
                         pthread_mutex_unlock(&w->lock);
                         continue;
                 }
-                if (!issue(w, idx))
+                if (!issue(w, offset, len))
                         return NULL;
-                inflight[n_inflight++] = (InFlight) { .idx = idx, .since_ns = now_ns() };
+                inflight[n_inflight++] = (InFlight) { .offset = offset, .len = len, .since_ns = now_ns() };
         }
 }
 
@@ -286,6 +342,7 @@ bool warm_is_own(Warmer *w, pid_t tid) {
 
 void warm_served(Warmer *w) {
         pthread_mutex_lock(&w->lock);
+        w->served++;
         pthread_cond_broadcast(&w->cond);
         pthread_mutex_unlock(&w->lock);
 }
@@ -353,7 +410,7 @@ int warm_trace_mapped(void *warmer, pid_t pid) {
                         for (size_t i = 0; i < n; i++) {
                                 uint64_t pos = offset + (first + i - start / page) * page;
 
-                                if ((entries[i] & PAGEMAP_PRESENT) && pos < w->map_len && image_warmed(w->img, pos / chunk)) {
+                                if ((entries[i] & PAGEMAP_PRESENT) && pos < w->size && image_warmed(w->img, pos / chunk)) {
                                         image_trace_mapped(w->img, pos, (size_t) page);
                                         traced++;
                                 }
@@ -378,9 +435,6 @@ void warm_close(Warmer *w) {
         if (w->started)
                 pthread_join(w->thread, NULL);
         w->started = false;
-        if (w->map)
-                munmap(w->map, w->map_len);
-        w->map = NULL;
         if (w->fd >= 0)
                 close(w->fd);
         w->fd = -1;
