@@ -1010,11 +1010,14 @@ ssize_t image_read_pin(Image *img, size_t len, uint64_t offset, struct iovec *io
                 }
                 r = chunk_ready_locked(img, idx, false, &tier);
                 if (r < 0) {
+                        /* Whole or not at all: a short read is the end of the file to the kernel (after a
+                         * buffered read it shrinks the file's size, fuse_short_read()) and to QEMU, which
+                         * pads it with zeros for the guest.  The pieces pinned so far go back to the caller
+                         * for image_read_release(). */
                         pthread_mutex_unlock(&img->lock);
                         stats_add(&img->src.stats->errors, 1);
-                        if (done == 0)
-                                return r;
-                        break;
+                        *ret_n = n;
+                        return r;
                 }
                 c->pins++;
                 if (!c->dirty)
@@ -1101,7 +1104,8 @@ int image_warm_pack_next(Image *img, uint64_t *cursor, uint64_t *ret_offset, uin
                 }
                 (*cursor)++;
                 e = &img->packs[k].extents[i];
-                for (uint64_t idx = e->offset / img->chunk_size; idx <= (e->offset + e->len - 1) / img->chunk_size; idx++)
+                for (uint64_t idx = e->offset / img->chunk_size, last = (e->offset + e->len - 1) / img->chunk_size;
+                     idx <= last; idx++)
                         img->pack_warmed[idx] = true;
                 *ret_offset = e->offset;
                 *ret_len = e->len;

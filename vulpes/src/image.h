@@ -113,8 +113,9 @@ int image_punch(Image *img, uint64_t offset, uint64_t len);
 /*
  * image_read() without the copy, for a caller that hands the bytes on (FUSE replies with the RAM cache's
  * own memory): fills iov[0..*ret_n) with pieces that cover the bytes read, each a pointer into a chunk in
- * RAM, pinned so that it stays there, or to zeros.  Returns the byte count as image_read() does (short
- * after a failure part-way).  The pieces stay valid until image_read_release() with the same offset;
+ * RAM, pinned so that it stays there, or to zeros.  Returns the byte count (short only at the image's end) or
+ * a negative errno: a read that fails part-way fails whole, its pieces pinned so far still in iov[0..*ret_n).
+ * The pieces stay valid until image_read_release() with the same offset, also after a failure;
  * concurrent writes to the same bytes may show through, as with image_read().  max_iov must be at least
  * image_read_pieces_max(img, len).
  */

@@ -232,8 +232,7 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
                 /* The kernel's close of a file flushes it (writes the file's dirty pages back and waits): were
                  * vulpes killed with its warmer's descriptor open, its exit would wait on itself for ever, and
                  * its mounts and QEMU with it.  The warmer writes nothing: its close needs no flush. */
-                if (((Mount *) fuse_req_userdata(req))->warmer &&
-                    warm_is_own(((Mount *) fuse_req_userdata(req))->warmer, fuse_req_ctx(req)->pid))
+                if (warm_is_own(((Mount *) fuse_req_userdata(req))->warmer, fuse_req_ctx(req)->pid))
                         fi->noflush = 1;
                 fuse_reply_open(req, fi);
                 return;
@@ -330,7 +329,7 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset, s
                 return;
         }
         img = image_of(req, file);
-        if (m->warmer && warm_is_own(m->warmer, fuse_req_ctx(req)->pid)) {
+        if (warm_is_own(m->warmer, fuse_req_ctx(req)->pid)) {
                 read_warm(req, img, size, offset, m->warmer);
                 return;
         }
@@ -343,10 +342,6 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset, s
                 }
         }
         r = image_read_pin(img, size, (uint64_t) offset, iov, max_iov, &n);
-        /* A read that failed part-way is an error for the kernel: a short reply is the end of the file to it,
-         * and it would shrink the file's size (fuse_short_read()), so later reads of the rest find nothing. */
-        if (r >= 0 && (size_t) r < size && (uint64_t) offset + (uint64_t) r < image_size(img))
-                r = -EIO;
         if (r < 0)
                 fuse_reply_err(req, (int) -r);
         else

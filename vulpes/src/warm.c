@@ -13,12 +13,13 @@
  * must see one by one: they are the next resume pack, isrctl/pack.py), a thread asks the kernel to read
  * ahead (posix_fadvise(WILLNEED)) each chunk of the image that is in RAM or in the cache, in index order, and
  * again every WARM_RESCAN_MS for chunks that came since (a guest's read, readahead; from a hoard into the cache
- * every WARM_CACHE_ROUNDS of them); after each pass over those, the
- * resume pack's pages that came since (vulpes holds them before their chunks: the pages the guest touched after
- * its previous resume), then the chunks without a record (zeros: mostly RAM the guest had free, which it touches when it allocates: 1,200
- * FUSE reads in the test workload), as long as the host has memory to spare (memory_to_spare()).  That fills
- * the page cache with the guest's whole RAM, as QEMU's own RAM would be once the guest used it; the kernel may
- * take clean pages back, and then the guest's touch is a read again.  A chunk QEMU punches (free page reporting) is warmed again once the kernel has dropped its pages.
+ * every WARM_CACHE_ROUNDS of them); after each pass over those, the resume pack's pages that came since (vulpes
+ * holds them before their chunks: the pages the guest touched after its previous resume), then the chunks
+ * without a record (zeros: mostly RAM the guest had free, which it touches when it allocates: 1,200 FUSE reads
+ * in the test workload), as long as the host has memory to spare (memory_to_spare()).  That fills the page
+ * cache with the guest's whole RAM, as QEMU's own RAM would be once the guest used it; the kernel may take
+ * clean pages back, and then the guest's touch is a read again.  A chunk QEMU punches (free page reporting) is
+ * warmed again once the kernel has dropped its pages.
  * The kernel sends those reads from this thread: mount.c recognises them by the requesting thread's id and
  * serves them with image_warm_read(), which never fetches, loads nothing into vulpes's RAM and is not traced.
  * The kernel skips the pages it already holds (the guest's dirty pages among them), and a read of pages it
@@ -410,7 +411,8 @@ int warm_trace_mapped(void *warmer, pid_t pid) {
                         for (size_t i = 0; i < n; i++) {
                                 uint64_t pos = offset + (first + i - start / page) * page;
 
-                                if ((entries[i] & PAGEMAP_PRESENT) && pos < w->size && image_warmed(w->img, pos / chunk)) {
+                                if ((entries[i] & PAGEMAP_PRESENT) && pos < w->size &&
+                                    image_warmed(w->img, pos / chunk)) {
                                         image_trace_mapped(w->img, pos, (size_t) page);
                                         traced++;
                                 }

@@ -19,7 +19,8 @@ typedef struct Warmer Warmer;
 int warm_new(Image *img, const char *path, uint64_t after_reads, Warmer **ret);
 /* Starts its thread. */
 int warm_start(Warmer *w);
-/* Whether a FUSE request came from the warmer (the requesting thread's id, fuse_req_ctx()->pid). */
+/* Whether a FUSE request came from the warmer (the requesting thread's id, fuse_req_ctx()->pid); false for a
+ * NULL warmer. */
 bool warm_is_own(Warmer *w, pid_t tid);
 /* mount.c has answered one of the warmer's requests. */
 void warm_served(Warmer *w);
