@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from parcels import resumepack, seal
 from parcels.compress import StreamReader
@@ -108,16 +109,19 @@ def limit(rate_peak: float) -> int:
     return max(PACK_BYTES, min(PACK_BYTES_MAX, fits))
 
 
-def first_touches(trace: Path, image: str, limit: int, *, since: float | None = None, until: float | None = None,
-                  mapped: bool = True) -> list[tuple[int, int]]:
-    """The byte ranges of ``image`` the trace's reads touched, in first-touch order, until ``limit`` new bytes
-    (a version-1 trace, which has no ranges, or a missing one: nothing); with ``since`` and ``until`` (each a
-    time.time()), only the reads from ``since`` on and before ``until``; without ``mapped``, not the pages
-    vulpes traced at the suspend as mapped by QEMU (source ``mapped``: touched while its warmer had them in the
-    page cache, in no known order)."""
-    ranges: list[tuple[int, int]] = []
-    seen: set[int] = set()               # pages already taken
-    total = 0
+class _Read(NamedTuple):
+    """One read of an image in a trace: when (time.time()), its byte range, and whether vulpes traced it at the
+    suspend as mapped by QEMU (source ``mapped``)."""
+    when: float
+    offset: int
+    length: int
+    mapped: bool
+
+
+def _reads(trace: Path, image: str) -> list[_Read]:
+    """The reads of ``image`` in ``trace``, in its order (a version-1 trace, which has no ranges, or a missing
+    one: none)."""
+    out: list[_Read] = []
     try:
         with open(trace, errors="replace") as f:
             header = f.readline()
@@ -125,26 +129,45 @@ def first_touches(trace: Path, image: str, limit: int, *, since: float | None = 
                 return []
             for line in f:
                 parts = line.split()
-                if len(parts) < 7 or parts[1] != image or parts[3] != "r" or (not mapped and parts[4] == "mapped"):
+                if len(parts) < 7 or parts[1] != image or parts[3] != "r":
                     continue
                 try:
-                    offset, length = int(parts[5]), int(parts[6])
-                    when = float(parts[0])
-                    if (since is not None and when < since) or (until is not None and when >= until):
-                        continue
+                    out.append(_Read(float(parts[0]), int(parts[5]), int(parts[6]), parts[4] == "mapped"))
                 except ValueError:
                     continue
-                first, last = offset // _PAGE, (offset + length - 1) // _PAGE
-                new = [p for p in range(first, last + 1) if p not in seen]
-                if not new or length <= 0:
-                    continue
-                seen.update(new)
-                ranges.append((offset, length))
-                total += len(new) * _PAGE
-                if total >= limit:
-                    break
     except FileNotFoundError:
         return []
+    return out
+
+
+def first_touches(trace: Path, image: str, limit: int, *, since: float | None = None, until: float | None = None,
+                  mapped: bool = True) -> list[tuple[int, int]]:
+    """The byte ranges of ``image`` the trace's reads touched, in first-touch order, until ``limit`` new bytes
+    (a version-1 trace, which has no ranges, or a missing one: nothing); with ``since`` and ``until`` (each a
+    time.time()), only the reads from ``since`` on and before ``until``; without ``mapped``, not the pages
+    vulpes traced at the suspend as mapped by QEMU (source ``mapped``: touched while its warmer had them in the
+    page cache, in no known order)."""
+    return _first_touches(_reads(trace, image), limit, since=since, until=until, mapped=mapped)
+
+
+def _first_touches(reads: list[_Read], limit: int, *, since: float | None = None, until: float | None = None,
+                   mapped: bool = True) -> list[tuple[int, int]]:
+    """first_touches() of reads parsed already."""
+    ranges: list[tuple[int, int]] = []
+    seen: set[int] = set()               # pages already taken
+    total = 0
+    for read in reads:
+        if (not mapped and read.mapped) or (since is not None and read.when < since) or \
+                (until is not None and read.when >= until) or read.length <= 0:
+            continue
+        new = [p for p in _pages(read.offset, read.length) if p not in seen]
+        if not new:
+            continue
+        seen.update(new)
+        ranges.append((read.offset, read.length))
+        total += len(new) * _PAGE
+        if total >= limit:
+            break
     return ranges
 
 
@@ -220,16 +243,17 @@ def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES
     arrives waits for that part."""
     groups: list[list[tuple[int, int]]] = [[]]
     size = 0
-    touched = first_touches(trace, "memory", limit) if resumed else []
+    reads = _reads(trace, "memory")
+    touched = _first_touches(reads, limit) if resumed else []
     if recent_since is not None:
         # Recent pages go early unless the guest read them before, after its resume: not those it read only in
         # the window (at the first touches' end on a fast link), nor those vulpes traced as mapped at the
         # suspend (its warmer had them in the page cache: last, in address order), whose place says nothing of
         # when the guest touched them. A page in two parts is in the first only.
-        exact = first_touches(trace, "memory", limit, until=recent_since, mapped=False) if resumed else []
+        exact = _first_touches(reads, limit, until=recent_since, mapped=False) if resumed else []
         seen = {page for offset, length in exact for page in _pages(offset, length)}
-        recent = [(offset, length) for offset, length in first_touches(trace, "memory", RECENT_BYTES + limit,
-                                                                          since=recent_since)
+        recent = [(offset, length) for offset, length in _first_touches(reads, RECENT_BYTES + limit,
+                                                                           since=recent_since)
                   if any(page not in seen for page in _pages(offset, length))]
         touched = _interleaved(touched, _within(recent, RECENT_BYTES), first)
     for offset, length in touched:
