@@ -55,6 +55,7 @@ import sys
 import tempfile
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -64,8 +65,13 @@ from vulpes_common import link_bandwidth, machine, today
 
 import matrix_report  # noqa: E402
 from isrctl.policy import POLICIES as ISR_POLICIES  # noqa: E402
+from isrctl.vulpes import binary as vulpes_binary  # noqa: E402
 from tools.guest import GuestArtifacts, booted_guest, build, copy_disk, resumed_guest  # noqa: E402
+from isrctl import pack  # noqa: E402
+from parcels.chunk import chunk_length  # noqa: E402
+from parcels.compress import compress  # noqa: E402
 from parcels.keyring import Keyring  # noqa: E402
+from parcels.parcel import latest_version, open_version, read_chunk, unlock  # noqa: E402
 from parcels.store import DirStore  # noqa: E402
 from tests.isr_fixtures import IsrEnv, NetSite, Parcel, Site, shaped_namespaces, start_isr_env  # noqa: E402
 from tests.toxiproxy_fixtures import Proxy, Toxiproxy  # noqa: E402
@@ -198,12 +204,16 @@ def memory_compression(keyring: Path, store: Path) -> float | None:
     return stored / plain if plain else None
 
 
-def touched(traces: Path, answered: float, finished: float) -> dict[str, dict[str, Any]]:
+def touched(traces: Path, answered: float, finished: float) -> tuple[dict[str, dict[str, Any]],
+                                                                      dict[str, dict[str, list[int]]]]:
     """What the resumed guest touched, per image, from vulpes's version-2 traces (byte ranges): the distinct
     4 KiB pages until the guest answered (``before``) and during the workload (``workload``: from the answer to
     ``finished``, pages not touched before), and for ``before`` how many chunks those pages fall in at each of
-    TOUCH_CHUNK_SIZES. A version-1 trace has no byte ranges: its images are left out."""
-    pages: dict[str, dict[str, set[int]]] = {}
+    TOUCH_CHUNK_SIZES. A version-1 trace has no byte ranges: its images are left out. Also returns, per image
+    and phase, the pages whose first touch was a read (those a site must have been sent; a page the guest
+    wrote first needs nothing), in the order the guest read them."""
+    pages: dict[str, dict[str, dict[int, None]]] = {}      # ordered sets
+    read_first: dict[str, dict[int, bool]] = {}
     for path in sorted(traces.glob("*.trace")):
         for line in path.read_text(errors="replace").splitlines():
             parts = line.split()
@@ -214,14 +224,52 @@ def touched(traces: Path, answered: float, finished: float) -> dict[str, dict[st
             if phase is None:
                 continue
             offset, length = int(parts[5]), int(parts[6])
-            image_pages = pages.setdefault(parts[1], {"before": set(), "workload": set()})
-            image_pages[phase].update(range(offset // 4096, (offset + length - 1) // 4096 + 1))
+            image_pages = pages.setdefault(parts[1], {"before": {}, "workload": {}})
+            span = range(offset // 4096, (offset + length - 1) // 4096 + 1)
+            image_pages[phase].update(dict.fromkeys(span))
+            first = read_first.setdefault(parts[1], {})
+            for page in span:
+                first.setdefault(page, parts[3] == "r")
     out: dict[str, dict[str, Any]] = {}
+    ordered: dict[str, dict[str, list[int]]] = {}
     for image, phases in pages.items():
         before = phases["before"]
-        out[image] = {"before_pages": len(before), "workload_pages": len(phases["workload"] - before),
+        workload = [page for page in phases["workload"] if page not in before]
+        out[image] = {"before_pages": len(before), "workload_pages": len(workload),
                       "before_chunks": {str(size): len({p * 4096 // size for p in before})
                                         for size in TOUCH_CHUNK_SIZES}}
+        ordered[image] = {"before": [page for page in before if read_first[image][page]],
+                          "workload": [page for page in workload if read_first[image][page]]}
+    return out, ordered
+
+
+def touched_bytes(store: Path, parcel: Parcel, pages: dict[str, dict[str, list[int]]]) -> dict[str, dict[str, int]]:
+    """The least any transfer of the ``pages`` the guest read could move: per image and phase, those pages of the
+    version the site resumed (the newest: site B checks nothing in), in the order the guest touched them,
+    compressed as one stream at the resume pack's level (pack.TRANSFER_LEVEL). Pages of chunks the version
+    does not hold are zeros, and cost nothing but are counted in the stream as such."""
+    objects = DirStore(store)
+    uid = uuid.UUID(parcel.id)
+    keys = unlock(objects, uid, keyfile=parcel.keyfile.read_bytes())
+    contents = open_version(objects, uid, latest_version(objects, uid), keys)
+    out: dict[str, dict[str, int]] = {}
+    for image, phases in pages.items():
+        size = contents.manifest.images[image].size
+        chunk_size = contents.manifest.image_chunk_size(image)
+        records = {record.idx: record for record in contents.records(image)}
+        plain: dict[int, bytes] = {}
+        out[image] = {}
+        for phase, ordered in phases.items():
+            stream = bytearray()
+            for page in ordered:
+                idx = page * 4096 // chunk_size
+                if idx not in plain:
+                    record = records.get(idx)
+                    plain[idx] = read_chunk(objects, keys, record, chunk_length(idx, chunk_size, size)) \
+                        if record is not None else b""
+                start = page * 4096 - idx * chunk_size
+                stream += plain[idx][start:start + 4096].ljust(4096, b"\0")
+            out[image][phase] = len(compress(bytes(stream), pack.TRANSFER_LEVEL))
     return out
 
 
@@ -275,11 +323,11 @@ def check_workload(result: dict[str, str], guest: GuestArtifacts) -> None:
 
 @contextlib.contextmanager
 def site(env: IsrEnv, name: str, root: Path, net: NetSite, server: str, parcel: Parcel,
-         timeout: float) -> Iterator[Site]:
+         timeout: float, extra_env: dict[str, str] | None = None) -> Iterator[Site]:
     """A logged-in site that talks to the server through ``server``; afterwards everything it started is
     killed, its hold on the parcel (lock, local state) is given up, so the next site can resume, and its
     chunk cache is removed (a full run makes a hundred sites); its logs and traces are kept in root/logs."""
-    made = Site(name, root, env, net, server=server)
+    made = Site(name, root, env, net, server=server, extra_env=dict(extra_env or {}))
     try:
         made.login()
         yield made
@@ -336,7 +384,7 @@ def run_site_a(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, n
     stored = next((int(v.get("chunk_bytes") or 0) for v in versions if int(v["version"]) == 2), 0)
     upload_s = t2 - safe if safe is not None else None
     # The session's own clock from the safe state to the commit and the lock's release (t2 - safe above also
-    # holds the start and exit of the `isr suspend` command itself); older trees do not say it.
+    # holds the exit of the `isr suspend` command, and in older trees its start); older trees do not say it.
     committed = number_after(r"checked in ([0-9.]+) s after the state was safe", suspend)
     return {"policy_a": policy, "boot_s": boot, "t4_boot": number_after(r"booted cold in ([0-9.]+) s", out),
             "workload_a_s": workload, "t2": t2, "t2_safe": safe, "checkin_s": upload_s, "checkin_session_s": committed,
@@ -406,7 +454,7 @@ def run_site_b(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, n
         b.isr("suspend", parcel.name, "--no-checkin", timeout=timeout)
         b.wait_session_end(parcel, timeout=timeout)
         result["server_chunks"] = server_chunks(b.state_dir(parcel) / "traces", answered)
-        result["touched"] = touched(b.state_dir(parcel) / "traces", answered, finished)
+        result["touched"] = touched(b.state_dir(parcel) / "traces", answered, finished)[0]
         if "memory" in result["touched"]:
             result["touched"]["memory"]["compression"] = memory_compression(
                 b.state_dir(parcel) / "keyring.memory", env.store)
@@ -415,6 +463,45 @@ def run_site_b(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, n
     result["resume_pack_mib"] = number_after(r"resume pack: ([0-9.]+) MiB", out)
     result["boot_file_bytes_b"] = boot_file_bytes(out)
     return result
+
+
+def vulpes_without_warmer(work: Path) -> Path:
+    """A directory whose ``vulpes`` runs this tree's vulpes with its warmer off (``--warm-after=0``), for
+    ``ISR_VULPES``; ``vulpes-fetch`` beside it is the real one."""
+    real = vulpes_binary()
+    folder = work / "vulpes-without-warmer"
+    folder.mkdir(parents=True, exist_ok=True)
+    wrapper = folder / "vulpes"
+    wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(str(real))} \"$@\" --warm-after=0\n")
+    wrapper.chmod(0o755)
+    fetch = folder / "vulpes-fetch"
+    fetch.unlink(missing_ok=True)
+    fetch.symlink_to(vulpes_binary("vulpes-fetch"))
+    return wrapper
+
+
+def run_site_floor(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Path, net: NetSite, server: str,
+                   timeout: float) -> dict[str, Any]:
+    """Site F, on B's link after every B and not timed: the same demand resume, answer and workload with
+    vulpes's warmer off, so that its trace sees every page the guest reads (a warmed page's touch reaches no
+    trace); its floors (`touched_bytes`: those pages compressed) are the least any transfer of them could move
+    until the guest answers and during the workload. The guest's reads are its own, whatever the policy."""
+    wrapper = vulpes_without_warmer(root.parent)
+    with site(env, "F", root, net, server, parcel, timeout, extra_env={"ISR_VULPES": str(wrapper)}) as f:
+        f.isr("resume", parcel.name, "--detach", "--vnc", "unix", "--keyfile", str(parcel.keyfile),
+              "--policy", "demand", timeout=timeout)
+        with f.console(parcel) as console:
+            console.run("true", timeout=timeout)
+            answered = time.time()
+            check_workload(console.run_workload(timeout=timeout), guest)
+            finished = time.time()
+        f.isr("suspend", parcel.name, "--no-checkin", timeout=timeout)
+        f.wait_session_end(parcel, timeout=timeout)
+        pages = touched(f.state_dir(parcel) / "traces", answered, finished)[1]
+    floors = touched_bytes(env.store, parcel, pages)
+    return {image: {"before_read_pages": len(phases["before"]), "workload_read_pages": len(phases["workload"]),
+                    "before_bytes": floors[image]["before"], "workload_bytes": floors[image]["workload"]}
+            for image, phases in pages.items()}
 
 
 def run_isr_group(env: IsrEnv, guest: GuestArtifacts, work: Path, nets: list[NetSite], servers: list[str],
@@ -460,6 +547,12 @@ def run_isr_group(env: IsrEnv, guest: GuestArtifacts, work: Path, nets: list[Net
                     f"{cell['t4_responsive']:.1f} s), workload {cell['workload_b_s']:.1f} s, "
                     f"{(cell['t4_link_bytes'] + cell['t5_link_bytes']) / MIB:.1f} MiB down")
         cells.append(cell)
+    if parcel is not None and any(cell["status"] == "ok" for cell in cells):
+        say(f"{tag}: site F resumes as B did with vulpes's warmer off, for the pages the guest reads")
+        floor = attempt(f"{tag} floor", lambda: {"floor": run_site_floor(env, guest, parcel, root / "F", nets[1],
+                                                                           servers[1], timeout)})
+        for cell in cells:
+            cell["floor"] = floor.get("floor") if floor["status"] == "ok" else {"status": floor["status"]}
     return cells
 
 

@@ -208,12 +208,20 @@ def touched(results: dict[str, Any]) -> str:
         "until it first answered and the new ones during the workload, and how many chunks those pages fall in "
         "at smaller chunk sizes (MiB: their plaintext). The pages alone are the physical limit of the resume: "
         "compressed at the memory image's mean ratio (its stored chunk objects over their plaintext), and "
-        "their time at the link's goodput plus a round trip, the fastest any transfer of them could be.",
+        "their time at the link's goodput plus a round trip, the fastest any transfer of them could be. The floors "
+        "come from site F, which resumed the same version after every B with vulpes's warmer off (so that its "
+        "trace sees every page the guest reads; the warmer hides the touches of pages it put into the page "
+        "cache) and was not timed: the pages of both images the guest read until it answered (a page it wrote "
+        "first needs nothing), taken from the version in the order it read them and compressed as one stream "
+        "at the resume pack's level, and their time at the link's goodput plus a round trip; then the same of "
+        "the pages it read first during the workload, against the local run's workload.",
         header(results),
     ]
     head = ["link", "policy", "RAM (MiB)", "guest answered (s)", "pages until it answered (MiB)",
             "memory chunks fetched from the server until then", "limit: those pages compressed (MiB; s at goodput)",
-            "new pages in the workload (MiB)"] + [f"chunks of {int(s) >> 10} KiB (MiB)" for s in sizes]
+            "new pages in the workload (MiB)", "floor until it answers: MB read; s at goodput",
+            "workload floor: MB read; s at goodput (local workload, s)"] + \
+        [f"chunks of {int(s) >> 10} KiB (MiB)" for s in sizes]
     rows = []
     for cell in results["cells"]:
         mem = (cell.get("touched") or {}).get("memory")
@@ -224,11 +232,22 @@ def touched(results: dict[str, Any]) -> str:
         good = goodput(results, cell["rate"])
         seconds = limit * 8 / (good * 1e6) + cell["rtt"] / 1000 if good and limit else None
         before = (cell.get("server_chunks") or {}).get("memory", {}).get("before", 0)
+        floors = []
+        for phase, rtt in (("before", cell["rtt"] / 1000), ("workload", 0.0)):
+            floor = cell.get("floor") or {}
+            nbytes = [image.get(f"{phase}_bytes") for image in floor.values() if isinstance(image, dict)]
+            if not good or not nbytes or None in nbytes:
+                floors.append(DASH)
+                continue
+            total = sum(int(n or 0) for n in nbytes)
+            floors.append(f"{total / 1e6:.2f}; {total * 8 / (good * 1e6) + rtt:.1f}")
+        local = local_workload(results, cell["ram"])
+        floors[1] += f" ({num(local)})" if floors[1] != DASH else ""
         rows.append([link_name(cell["rate"], cell["rtt"]), cell["policy"], str(cell["ram"]),
                      num(cell.get("t4_responsive")),
                      f"{mem['before_pages']} ({mib(mem['before_pages'] * 4096)})", str(before),
                      f"{mib(limit)}; {num(seconds)}" if limit else DASH,
-                     f"{mem['workload_pages']} ({mib(mem['workload_pages'] * 4096)})"]
+                     f"{mem['workload_pages']} ({mib(mem['workload_pages'] * 4096)})"] + floors
                     + [f"{mem['before_chunks'].get(s, 0)} ({mib(mem['before_chunks'].get(s, 0) * int(s))})"
                        for s in sizes])
     parts.append(table(head, rows))
@@ -313,8 +332,9 @@ def throughput(results: dict[str, Any]) -> str:
             "one bulk TCP connection over the same link measured at the start of the run (payload only, no proxy, "
             "no added RTT). Checkin: site A's `isr suspend` from the moment the state was safe locally to the "
             "commit (vulpes uploads the new chunk objects while the keyrings, device state and manifest are "
-            "staged), taken as the command's wall time less the session's time to the safe state, so with the "
-            "command's own start and exit; by the session's clock: from the safe state to the commit and the "
+            "staged), taken as the command's wall time less its time to the safe state (counted from the command's "
+            "start since the session learns its age; before that, from the request's arrival, so that the "
+            "command's own start fell into the checkin), so with the command's exit; by the session's clock: from the safe state to the commit and the "
             "lock's release, as `isr suspend` prints it (trees before issue 15's staging do not). Hoard: "
             "`isr hoard` at B for the proactive policy (every chunk, and the boot files beside them; before "
             "issue 15 the boot files came first); baseline: the boot "

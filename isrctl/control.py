@@ -4,7 +4,9 @@ The protocol is JSON lines on a Unix socket in the session's runtime directory (
 ``{"op": "status"}``, ``{"op": "suspend", "checkin": true}``, ``{"op": "poweroff", "checkin": ..., "wait": 30,
 "force": false}`` (ask the guest to shut down and wait ``wait`` seconds before pulling the plug, or pull it at
 once),
-``{"op": "continue"}`` (go on after a pause for lack of room) or ``{"op": "sync"}`` (upload what is dirty);
+``{"op": "continue"}`` (go on after a pause for lack of room) or ``{"op": "sync"}`` (upload what is dirty); a
+suspend or poweroff may say how long the requesting command had run when it asked (``"age": 0.12``, seconds),
+so that the time to the safe state it reports counts from the command's start;
 progress streams back as the reporter's JSON messages (`progress.JsonReporter`), and the answer ends the
 exchange: ``{"ok": true, "result"|"status": {...}}`` or ``{"ok": false, "error": "...", "kind": ...}``.
 """
@@ -50,6 +52,8 @@ class Request:
     #: pull the plug at once (``force``).
     wait: float | None = None
     force: bool = False
+    #: how long the requesting command had run when it asked (None: not said)
+    age: float | None = None
 
 
 class ControlServer:
@@ -94,7 +98,8 @@ class ControlServer:
                         write(json.dumps({"ok": True, "status": self.status()}) + "\n")
                     elif op in ("suspend", "poweroff", "continue", "sync"):
                         req = Request(op, bool(request.get("checkin", True)), JsonReporter(write),
-                                      wait=_seconds(request.get("wait")), force=bool(request.get("force", False)))
+                                      wait=_seconds(request.get("wait")), force=bool(request.get("force", False)),
+                                      age=_seconds(request.get("age")))
                         self.submit(req)
                         req.done.wait()
                         try:

@@ -103,6 +103,17 @@ def process_alive(pid: int) -> bool:
         return True
 
 
+def process_age() -> float | None:
+    """How long this process has run, to the kernel's clock tick (its start in /proc/self/stat against
+    CLOCK_BOOTTIME), or None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class _LogRelay:
     """What a running session says (its messages, not its log records) goes to its log; `isr resume` in the
     foreground passes it on as it comes, so that its user learns at once that the VM paused (a full cache)."""

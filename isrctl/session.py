@@ -87,6 +87,9 @@ _UPLOAD_STALL = 20.0
 #: How long an ending session waits for its control thread to hand the result to the requester.
 _ANSWER_TIMEOUT = 10.0
 _RENEW_DEFAULT = 60.0
+#: A requesting command's age (control.Request.age) above this is not believed: the suspend counts from its
+#: own start.
+_AGE_MAX = 60.0
 
 
 class Refused(SessionError):
@@ -753,11 +756,11 @@ class Session:
                 request.result = self._sync(request.reporter)
             elif request.op == "suspend":
                 request.result = self._end(SUSPENDED, request.checkin and not self.options.disconnected,
-                                           request.reporter, quit_vm=True)
+                                           request.reporter, quit_vm=True, age=request.age)
             else:
                 request.result = self._end(POWEROFF, request.checkin and not self.options.disconnected,
                                            request.reporter, quit_vm=True,
-                                           wait=0.0 if request.force else request.wait)
+                                           wait=0.0 if request.force else request.wait, age=request.age)
         except Refused as exc:
             request.error = str(exc)
             request.kind = type(exc).__name__
@@ -822,14 +825,17 @@ class Session:
                           f"(this site keeps the lock)")
 
     def _end(self, kind: str, checkin: bool, reporter: Reporter, *, quit_vm: bool,
-             wait: float | None = None) -> dict[str, Any]:
+             wait: float | None = None, age: float | None = None) -> dict[str, Any]:
         """Suspend (kind SUSPENDED) or power off (POWEROFF) the VM, and check in unless told not to. A poweroff
         asks the guest to shut down first and pulls the plug after ``wait`` seconds (default `POWEROFF_WAIT`;
-        0: at once)."""
+        0: at once). ``age``: how long the requesting command had run when it asked; the time to the safe
+        state counts from its start (a first phase, "isr start")."""
         assert self.vm is not None and self.vulpes is not None and self.manifest is not None
-        started = time.monotonic()
+        t = time.monotonic()
         phases: dict[str, float] = {}
-        t = started
+        if age is not None and age < _AGE_MAX:
+            phases["isr start"] = age
+        started = t - phases.get("isr start", 0.0)
         result: dict[str, Any] = {"parcel": self.options.parcel, "name": self.options.name}
         # Asked while QEMU saves the state, so that the upload does not wait a connection and a round trip for it.
         answers = background.start("health check", self._server_answers) if checkin and kind == SUSPENDED else None
@@ -895,7 +901,7 @@ class Session:
         safe_at = time.monotonic()
         safe = safe_at - started
         if kind == SUSPENDED:
-            reporter.say(f"the VM state is safe at this site after {safe:.1f} s "
+            reporter.say(f"the VM state is safe at this site after {safe:.2f} s "
                          f"({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})")
         unreachable = checkin and not (answers.result() if answers is not None else self._server_answers())
         if unreachable:

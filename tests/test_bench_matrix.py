@@ -1,8 +1,9 @@
-"""The benchmark matrix's own logic that needs no links or guests: which cells --full runs, and the
-run-to-run spread report (bench/matrix.py, bench/matrix_report.py)."""
+"""The benchmark matrix's own logic that needs no links or guests: which cells --full runs, the run-to-run
+spread report, and the physical floors from the pages a guest read (bench/matrix.py, bench/matrix_report.py)."""
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import matrix  # noqa: E402
 import matrix_report  # noqa: E402
+from parcels.compress import compress  # noqa: E402
+from parcels.parcel import create_parcel  # noqa: E402
+from parcels.store import DirStore  # noqa: E402
+from tests.isr_fixtures import Parcel  # noqa: E402
 
 
 def _args(mode: str) -> argparse.Namespace:
@@ -80,3 +85,38 @@ def test_throughput_shows_the_checkin_by_the_sessions_clock_where_the_suspend_sa
     # 30 MiB is 251.7 Mbit: 83.9 Mbit/s in the command's 3.0 s, 100.7 in the session's 2.5 s.
     assert "| 30.0 in 3.0 | 83.9 (0.84, 0.84) | 2.5: 100.7 (1.01, 1.01) | 40.0 in 4.0 |" in rows(2.5)[0], rows(2.5)
     assert "| 30.0 in 3.0 | 83.9 (0.84, 0.84) | – | 40.0 in 4.0 |" in rows(None)[0], rows(None)
+
+
+def test_the_floors_are_the_pages_read_first_compressed_in_read_order(tmp_path: Path) -> None:
+    """touched() keeps, per image and phase, the pages the guest read before writing, in read order;
+    touched_bytes() compresses exactly those pages of the newest version as one stream."""
+    rng = random.Random(7)
+    disk = bytearray(1 << 20)
+    for page in (3, 40, 41, 200):                       # incompressible pages; the rest stay zero
+        disk[page * 4096:(page + 1) * 4096] = rng.randbytes(4096)
+    image = tmp_path / "disk.img"
+    image.write_bytes(bytes(disk))
+    keyfile = tmp_path / "key"
+    keyfile.write_bytes(b"k" * 32)
+    store = tmp_path / "store"
+    uid = create_parcel(DirStore(store), name="p", disk=image, ram_mib=1, keyfile=keyfile.read_bytes(), log2n=10)
+    trace = tmp_path / "traces"
+    trace.mkdir()
+    (trace / "t.trace").write_text("\n".join([
+        "# vulpes-trace 3 disk.chunk_size=131072 memory.chunk_size=131072",
+        "10.0 disk 0 r server 163840 8192",      # pages 40 and 41, before the answer
+        "10.5 disk 0 w new 12288 4096",          # page 3 written first: nothing to fetch
+        "11.0 disk 0 r ram 12288 4096",
+        "12.0 disk 1 r server 819200 4096",      # page 200, in the workload
+        "12.5 disk 0 r ram 163840 4096",         # page 40 again: not new
+        "13.0 memory 0 r server 0 4096",         # a page of zeros
+        "30.0 disk 0 r server 0 4096",           # after the workload
+    ]) + "\n")
+    counts, pages = matrix.touched(trace, answered=11.5, finished=20.0)
+    assert counts["disk"]["before_pages"] == 3 and counts["disk"]["workload_pages"] == 1
+    assert pages == {"disk": {"before": [40, 41], "workload": [200]}, "memory": {"before": [], "workload": [0]}}
+    floors = matrix.touched_bytes(store, Parcel("p", str(uid), keyfile), pages)
+    level = matrix.pack.TRANSFER_LEVEL
+    assert floors["disk"]["before"] == len(compress(bytes(disk[40 * 4096:42 * 4096]), level))
+    assert floors["disk"]["workload"] == len(compress(bytes(disk[200 * 4096:201 * 4096]), level))
+    assert floors["memory"]["workload"] == len(compress(bytes(4096), level))

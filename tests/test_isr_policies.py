@@ -50,6 +50,9 @@ def test_guest_continues_at_the_other_site(policy: str, isr_env: IsrEnv, nets: l
         out = a.isr("suspend", parcel.name).stdout
         assert "committed version 2" in out, out
         print(f"[{policy}] site A suspend:\n{out}")
+        # The time to the safe state counts from the command's own start, which it reports as a phase.
+        safe = re.search(r"safe at this site after ([0-9.]+) s \(isr start ([0-9.]+) s,", out)
+        assert safe and 0 < float(safe[2]) < float(safe[1]), out
         a.wait_session_end(parcel)
         assert isr_env.current_version(parcel) == 2
 

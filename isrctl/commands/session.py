@@ -111,7 +111,9 @@ def _end_session(args: argparse.Namespace, op: str, **fields: Any) -> int:
         checkout = state.checkout()
         raise StateError(f"{checkout.name if checkout else state.parcel} is not running at this site")
     started = time.monotonic()
-    result = control.request(state, op, reporter, checkin=not args.no_checkin, **fields)
+    # How long this command had run when it asked: the session counts the time to the safe state from the
+    # command's own start, as the user waits for it.
+    result = control.request(state, op, reporter, checkin=not args.no_checkin, age=detach.process_age(), **fields)
     log.info("%s answered after %.2f s; waiting for the session to exit", op, time.monotonic() - started)
     if not detach.wait_for_exit(int(info["pid"]), timeout=300):
         raise IsrError(f"the session (pid {info['pid']}) did not exit after {op}; see {state.dir / 'session.log'}")
