@@ -183,26 +183,33 @@ def load_recorded(remote: Remote, parcel: str, manifest: Manifest, key: bytes, n
 
 def test_mapped_pages_come_after_the_exact_first_touches_and_do_not_hide_recent_ones(tmp_path: Path) -> None:
     """Pages vulpes traced as mapped at the suspend (its warmer had them in the page cache, so the guest touched
-    them without a read) are first touches after the exact ones; a recent page among them still takes its turn
+    them without a read) are first touches after the exact ones, in the order the guest first reached their
+    chunks (those of chunks it never reached by a read last); a recent page among them still takes its turn
     early, once (a page is in one part only)."""
     trace = tmp_path / "t.trace"
     trace.write_text("# vulpes-trace 3 disk.chunk_size=131072 memory.chunk_size=131072\n"
                      "1.0 memory 0 r server 8192 4096\n"             # exact first touches after the resume
                      "1.5 memory 0 r cache 0 4096\n"
+                     "2.0 memory 5 r server 655360 4096\n"           # chunk 5 reached before chunk 3
+                     "3.0 memory 3 r server 393216 4096\n"
                      "8.0 memory 3 r mapped 409600 4096\n"           # at the suspend: mapped, in address order
                      "8.0 memory 4 r mapped 536576 4096\n"
-                     "8.0 memory 5 r mapped 655360 4096\n"
-                     "9.0 memory 5 r ram 655360 4096\n")             # the recent window: one of them
+                     "8.0 memory 5 r mapped 659456 4096\n"
+                     "9.0 memory 5 r ram 659456 4096\n")             # the recent window: one of them
     memory = tmp_path / "memory"
     image = os.urandom(1 << 20)
     memory.write_bytes(image)
 
     def offsets(**kwargs: Any) -> list[int]:
         return _packed_offsets(trace, memory, image, **kwargs)
-    assert pack.first_touches(trace, "memory", 1 << 20, mapped=False) == [(8192, 4096), (0, 4096), (655360, 4096)]
-    assert pack.first_touches(trace, "memory", 1 << 20, until=9.0, mapped=False) == [(8192, 4096), (0, 4096)]
-    assert offsets() == [8192, 0, 409600, 536576, 655360]
-    assert offsets(recent_since=9.0) == [8192, 655360, 0, 409600, 536576]
+    assert pack.first_touches(trace, "memory", 1 << 20, mapped=False) == [(8192, 4096), (0, 4096), (655360, 4096),
+                                                                         (393216, 4096), (659456, 4096)]
+    assert pack.first_touches(trace, "memory", 1 << 20, until=9.0, mapped=False) == [
+        (8192, 4096), (0, 4096), (655360, 4096), (393216, 4096)]
+    assert offsets() == [8192, 0, 655360, 393216, 659456, 409600, 536576]
+    assert offsets(recent_since=9.0) == [8192, 659456, 0, 655360, 393216, 409600, 536576]
+    # A pack too small for every mapped page leaves out those of the chunks reached last, then never.
+    assert offsets(limit=6 * 4096) == [8192, 0, 655360, 393216, 659456, 409600]
 
 
 @pytest.mark.parametrize("server_env", ["sqlite-directory"], indirect=True)
