@@ -33,7 +33,8 @@ How it measures (doc/isrctl.md has the ISR timeline t1..t5):
   suspends and checks in (t2); then, for each policy, a fresh site B (empty cache) hoards if the policy wants
   it (t3), resumes (t4: what `isr resume` reports, and until the guest first answers on its console), runs
   the workload (t5), suspends without checkin and gives the lock back, so the next policy's B resumes the
-  same version. Only eager writeback needs its own site A run (it trickles during t1).
+  same version. Only eager writeback needs its own site A run (it trickles during t1). After every B an
+  untimed site F resumes the same version with vulpes's warmer off, for the pages the guest reads: the floor.
 - Bytes are counted on the site's veth (everything that crossed the link, headers included) and by vulpes
   (chunk objects fetched).
 - Per rate and RTT, at the first RAM size: the peers (bench/peers.py) on site B's link, through their own

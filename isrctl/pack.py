@@ -263,8 +263,9 @@ def build(trace: Path, memory: Path, image_size: int, *, limit: int = PACK_BYTES
     if recent_since is not None:
         # Recent pages go early unless the guest read them before, after its resume: not those it read only in
         # the window (at the first touches' end on a fast link), nor those vulpes traced as mapped at the
-        # suspend (its warmer had them in the page cache: last, in address order), whose place says nothing of
-        # when the guest touched them. A page in two parts is in the first only.
+        # suspend (its warmer had them in the page cache: last, by when the guest first reached their chunks,
+        # `_reads`), whose place says little of when the guest touched them. A page in two parts is in the first
+        # only.
         exact = _first_touches(reads, limit, until=recent_since, mapped=False) if resumed else []
         seen = {page for offset, length in exact for page in _pages(offset, length)}
         recent = [(offset, length) for offset, length in _first_touches(reads, RECENT_BYTES + limit,
