@@ -245,10 +245,10 @@ def touched(traces: Path, answered: float, finished: float) -> tuple[dict[str, d
 
 
 def touched_bytes(store: Path, parcel: Parcel, pages: dict[str, dict[str, list[int]]]) -> dict[str, dict[str, int]]:
-    """The least any transfer of the ``pages`` the guest read could move: per image and phase, those pages of the
-    version the site resumed (the newest: site B checks nothing in), in the order the guest touched them,
-    compressed as one stream at the resume pack's level (pack.TRANSFER_LEVEL). Pages of chunks the version
-    does not hold are zeros, and cost nothing but are counted in the stream as such."""
+    """The least a transfer of the ``pages`` the guest read, so compressed, could move: per image and phase,
+    those pages of the version the site resumed (the newest: site B checks nothing in), in the order the guest
+    touched them, compressed as one stream at the resume pack's level (pack.TRANSFER_LEVEL). Pages of chunks
+    the version does not hold are zeros, and cost nothing but are counted in the stream as such."""
     objects = DirStore(store)
     uid = uuid.UUID(parcel.id)
     keys = unlock(objects, uid, keyfile=parcel.keyfile.read_bytes())
@@ -485,7 +485,7 @@ def run_site_floor(env: IsrEnv, guest: GuestArtifacts, parcel: Parcel, root: Pat
                    timeout: float) -> dict[str, Any]:
     """Site F, on B's link after every B and not timed: the same demand resume, answer and workload with
     vulpes's warmer off, so that its trace sees every page the guest reads (a warmed page's touch reaches no
-    trace); its floors (`touched_bytes`: those pages compressed) are the least any transfer of them could move
+    trace); its floors (`touched_bytes`: those pages compressed) are the least a transfer of them could move
     until the guest answers and during the workload. The guest's reads are its own, whatever the policy."""
     wrapper = vulpes_without_warmer(root.parent)
     with site(env, "F", root, net, server, parcel, timeout, extra_env={"ISR_VULPES": str(wrapper)}) as f:

@@ -334,8 +334,8 @@ def throughput(results: dict[str, Any]) -> str:
             "commit (vulpes uploads the new chunk objects while the keyrings, device state and manifest are "
             "staged), taken as the command's wall time less its time to the safe state (counted from the command's "
             "start since the session learns its age; before that, from the request's arrival, so that the "
-            "command's own start fell into the checkin), so with the command's exit; by the session's clock: from the safe state to the commit and the "
-            "lock's release, as `isr suspend` prints it (trees before issue 15's staging do not). Hoard: "
+            "command's own start fell into the checkin), so with the command's exit; by the session's clock: "
+            "from the safe state to the commit and the lock's release, as `isr suspend` prints it (trees before issue 15's staging do not). Hoard: "
             "`isr hoard` at B for the proactive policy (every chunk, and the boot files beside them; before "
             "issue 15 the boot files came first); baseline: the boot "
             "files and hoard phases of its resume.\n\n" + header(results) + "\n\n" + table(head, rows))
