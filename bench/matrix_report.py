@@ -233,9 +233,9 @@ def touched(results: dict[str, Any]) -> str:
         seconds = limit * 8 / (good * 1e6) + cell["rtt"] / 1000 if good and limit else None
         before = (cell.get("server_chunks") or {}).get("memory", {}).get("before", 0)
         floors = []
+        floor = [image for image in (cell.get("floor") or {}).values() if isinstance(image, dict)]
         for phase, rtt in (("before", cell["rtt"] / 1000), ("workload", 0.0)):
-            floor = cell.get("floor") or {}
-            nbytes = [image.get(f"{phase}_bytes") for image in floor.values() if isinstance(image, dict)]
+            nbytes = [image.get(f"{phase}_bytes") for image in floor]
             if not good or not nbytes or None in nbytes:
                 floors.append(DASH)
                 continue
@@ -335,8 +335,8 @@ def throughput(results: dict[str, Any]) -> str:
             "staged), taken as the command's wall time less its time to the safe state (counted from the command's "
             "start since the session learns its age; before that, from the request's arrival, so that the "
             "command's own start fell into the checkin), so with the command's exit; by the session's clock: "
-            "from the safe state to the commit and the lock's release, as `isr suspend` prints it (trees before issue 15's staging do not). Hoard: "
-            "`isr hoard` at B for the proactive policy (every chunk, and the boot files beside them; before "
+            "from the safe state to the commit and the lock's release, as `isr suspend` prints it (trees before "
+            "issue 15's staging do not). Hoard: `isr hoard` at B for the proactive policy (every chunk, and the boot files beside them; before "
             "issue 15 the boot files came first); baseline: the boot "
             "files and hoard phases of its resume.\n\n" + header(results) + "\n\n" + table(head, rows))
 

@@ -88,15 +88,20 @@ def wait_for_exit(pid: int, timeout: float = 120.0) -> bool:
             os.close(fd)
 
 
+def _stat_fields(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command name, from the state letter on (the name is in
+    parentheses and may itself hold spaces). Raises OSError."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()
+
+
 def process_alive(pid: int) -> bool:
     """Whether ``pid`` runs; a zombie (exited, not yet reaped by whoever adopted it) counts as gone."""
     with contextlib.suppress(ChildProcessError):
         if os.waitpid(pid, os.WNOHANG)[0] == pid:
             return False
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            # The state letter follows the command name in parentheses, which may itself contain spaces.
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+        return _stat_fields(pid)[0] not in ("Z", "X")
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
     except OSError:
@@ -107,8 +112,7 @@ def process_age() -> float | None:
     """How long this process has run, to the kernel's clock tick (its start in /proc/self/stat against
     CLOCK_BOOTTIME), or None where that cannot be read."""
     try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rpartition(")")[2].split()[19])
+        ticks = int(_stat_fields("self")[19])           # starttime, the stat file's 22nd field
         return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return None

@@ -161,7 +161,7 @@ def first_touches(trace: Path, image: str, limit: int, *, since: float | None = 
     (a version-1 trace, which has no ranges, or a missing one: nothing); with ``since`` and ``until`` (each a
     time.time()), only the reads from ``since`` on and before ``until``; without ``mapped``, not the pages
     vulpes traced at the suspend as mapped by QEMU (source ``mapped``: touched while its warmer had them in the
-    page cache, in no known order)."""
+    page cache, taken in the order `_reads` gives them)."""
     return _first_touches(_reads(trace, image), limit, since=since, until=until, mapped=mapped)
 
 

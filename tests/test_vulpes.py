@@ -1053,9 +1053,9 @@ def test_the_warmer_fills_the_page_cache_once_the_guest_has_faulted(vulpes_binar
     """With a memory mount, once the memory image has had --warm-after traced reads (a resumed guest's first
     faults), vulpes reads the chunks that are here into the kernel's page cache, and the resume pack's pages,
     not the others: a later first touch is no read (the trace sees neither it nor the warmer's own reads), the
-    bytes are the image's, a page the guest wrote before stays written; "trace-mapped" then traces the pages QEMU (here: this process) maps in
-    warmed chunks, with source "mapped"; "invalidate" stops the warmer for good: chunks that come after it stay
-    out of the page cache, and what is touched is traced again."""
+    bytes are the image's, a page the guest wrote before stays written; "trace-mapped" then traces the pages
+    QEMU (here: this process) maps in warmed chunks, with source "mapped"; "invalidate" stops the warmer for
+    good: chunks that come after it stay out of the page cache, and what is touched is traced again."""
     memory = bytearray(random_image(4 * MIB, seed=191, data_fraction=0.7))
     memory[20 * CHUNK_SIZE:21 * CHUNK_SIZE] = bytes(CHUNK_SIZE)      # a zero chunk (no record) among the data
     state = make_state(tmp_path / "state", bytes(1 * MIB), 4 * MIB, memory=bytes(memory))
